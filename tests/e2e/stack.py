@@ -1,0 +1,104 @@
+"""The real platform as separate processes: daphne, a Celery worker and beat, on PostgreSQL and Redis."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import psycopg
+
+ROOT = Path(__file__).resolve().parents[2]
+PYTHON = sys.executable
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def recreate_database(name: str) -> str:
+    admin_url = os.environ.get("E2E_ADMIN_DATABASE_URL", "postgresql://postgres@127.0.0.1:5432/postgres")
+    with psycopg.connect(admin_url, autocommit=True) as conn:
+        conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+        conn.execute(f'CREATE DATABASE "{name}"')
+    return admin_url.rsplit("/", 1)[0] + f"/{name}"
+
+
+@dataclass
+class Stack:
+    var_dir: Path
+    database: str = "crowdtrain_e2e"
+    redis_db: int = 14
+    port: int = field(default_factory=free_port)
+    database_url: str = ""
+    processes: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def env(self) -> dict[str, str]:
+        env = {k: v for k, v in os.environ.items() if k != "CELERY_TASK_ALWAYS_EAGER"}
+        env.update(
+            DATABASE_URL=self.database_url,
+            REDIS_URL=f"redis://127.0.0.1:6379/{self.redis_db}",
+            CROWDTRAIN_VAR_DIR=str(self.var_dir),
+            CROWDTRAIN_ADMIN_USER="admin",
+            CROWDTRAIN_ADMIN_PASSWORD="admin-e2e-password",
+            CROWDTRAIN_EVAL_EVERY="5",
+            DJANGO_SETTINGS_MODULE="crowdtrain.settings",
+            PYTHONUNBUFFERED="1",
+        )
+        return env
+
+    def manage(self, *args: str) -> None:
+        subprocess.run([PYTHON, "manage.py", *args], cwd=ROOT, env=self.env(), check=True)
+
+    def start(self) -> None:
+        self.database_url = recreate_database(self.database)
+        import redis
+
+        redis.Redis.from_url(self.env()["REDIS_URL"]).flushdb()
+        self.manage("migrate", "--verbosity", "0")
+        self.manage("ensure_admin")
+        self.manage("seed_demo")
+        self._spawn("web", "-m", "daphne", "-b", "127.0.0.1", "-p", str(self.port),
+                    "--websocket-max-message-size", str(64 * 2**20), "crowdtrain.asgi:application")
+        self._spawn("worker", "-m", "celery", "-A", "crowdtrain", "worker", "--pool", "solo", "-l", "info")
+        self._spawn("beat", "-m", "celery", "-A", "crowdtrain", "beat", "-l", "info",
+                    "--schedule", str(self.var_dir / "beat-schedule"))
+        self._wait_for_http()
+
+    def _spawn(self, name: str, *args: str) -> None:
+        log = (self.var_dir / f"{name}.log").open("wb")
+        self.processes[name] = subprocess.Popen([PYTHON, *args], cwd=ROOT, env=self.env(), stdout=log,
+                                                stderr=subprocess.STDOUT)
+
+    def _wait_for_http(self, timeout: float = 60) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                urllib.request.urlopen(self.url + "/", timeout=2)
+                return
+            except OSError:
+                time.sleep(0.5)
+        raise RuntimeError(f"daphne did not answer on {self.url}; see {self.var_dir}/web.log")
+
+    def stop(self) -> None:
+        for process in self.processes.values():
+            process.terminate()
+        for process in self.processes.values():
+            try:
+                process.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                process.kill()
+
+    def log(self, name: str) -> str:
+        return (self.var_dir / f"{name}.log").read_text(errors="replace")

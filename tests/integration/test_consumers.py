@@ -1,0 +1,139 @@
+"""The volunteer WebSocket through the real ASGI stack: session auth, Redis channel layer, PostgreSQL."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+from asgiref.sync import async_to_sync
+from channels.db import database_sync_to_async
+from channels.testing import WebsocketCommunicator
+from django.conf import settings
+from django.contrib.auth.models import User
+from django.test import Client
+
+from crowdtrain.asgi import application
+from projects.models import Project, WorkUnit
+from tests.integration.volunteer import honest_update
+
+pytestmark = pytest.mark.django_db(transaction=True)
+HELLO = {"type": "hello", "protocol": 1, "device": {"backend": "webgl", "gflops": 12.5}}
+
+
+def session_headers(user: User) -> list[tuple[bytes, bytes]]:
+    client = Client()
+    client.force_login(user)
+    cookie = f"{settings.SESSION_COOKIE_NAME}={client.cookies[settings.SESSION_COOKIE_NAME].value}"
+    return [(b"cookie", cookie.encode()), (b"origin", b"http://localhost"), (b"host", b"localhost")]
+
+
+async def connect(user: User | None) -> WebsocketCommunicator:
+    headers = session_headers(user) if user else [(b"origin", b"http://localhost")]
+    communicator = WebsocketCommunicator(application, "/ws/volunteer/", headers=headers)
+    return communicator
+
+
+async def send(communicator: WebsocketCommunicator, message: dict[str, Any]) -> dict[str, Any]:
+    await communicator.send_to(text_data=json.dumps(message))
+    return json.loads(await communicator.receive_from(timeout=10))
+
+
+async def greet(user: User) -> WebsocketCommunicator:
+    communicator = await connect(user)
+    connected, _ = await communicator.connect()
+    assert connected
+    welcome = await send(communicator, HELLO)
+    assert welcome["type"] == "welcome" and welcome["volunteer"]["username"] == user.username
+    return communicator
+
+
+def test_anonymous_connections_are_refused(db: None) -> None:
+    async def scenario() -> None:
+        communicator = await connect(None)
+        connected, code = await communicator.connect()
+        assert not connected and code == 4401
+
+    async_to_sync(scenario)()
+
+
+def test_assign_result_ack_over_the_socket(mlp_project: Project, volunteer_user: User) -> None:
+    async def scenario() -> None:
+        communicator = await greet(volunteer_user)
+        assign = await send(communicator, {"type": "ready"})
+        assert assign["type"] == "assign"
+        unit = assign["work_unit"]
+        assert unit["weights_url"].startswith("/blobs/") and unit["shards"][0]["count"] == 50
+        work_unit = await database_sync_to_async(WorkUnit.objects.select_related(
+            "project", "version", "shard__blob").get)(pk=unit["id"])
+        payload, loss = await database_sync_to_async(honest_update)(work_unit)
+        await communicator.send_to(text_data=json.dumps({
+            "type": "result", "work_unit": unit["id"], "model_version": unit["model_version"],
+            "samples": 50, "loss": loss, "timings": {"download_ms": 1, "compute_ms": 2},
+        }))
+        await communicator.send_to(bytes_data=payload)
+        ack = json.loads(await communicator.receive_from(timeout=10))
+        assert ack["type"] == "ack" and ack["accepted"] is True
+        assert ack["credit_flops"] == 50 * mlp_project.flops_per_sample == ack["total_credit_flops"]
+        await communicator.disconnect()
+
+    async_to_sync(scenario)()
+
+
+def test_malformed_frames_get_errors_and_the_socket_survives(mlp_project: Project, volunteer_user: User) -> None:
+    async def scenario() -> None:
+        communicator = await connect(volunteer_user)
+        await communicator.connect()
+        assert (await send(communicator, {"type": "ready"}))["code"] == "protocol"  # no hello yet
+        await communicator.send_to(text_data="{not json")
+        assert json.loads(await communicator.receive_from(timeout=10))["code"] == "bad_message"
+        assert (await send(communicator, {"type": "launch_missiles"}))["code"] == "bad_message"
+        assert (await send(communicator, {**HELLO, "protocol": 99}))["code"] == "protocol"
+        await send(communicator, HELLO)
+        await communicator.send_to(bytes_data=b"\x00" * 10)
+        assert json.loads(await communicator.receive_from(timeout=10))["code"] == "bad_message"
+        bad = {"type": "result", "work_unit": "x", "model_version": 0, "samples": 1, "loss": 1.0}
+        assert (await send(communicator, bad))["code"] == "bad_message"
+        unknown = {**bad, "work_unit": 999999}
+        await communicator.send_to(text_data=json.dumps(unknown))
+        await communicator.send_to(bytes_data=b"x")
+        assert json.loads(await communicator.receive_from(timeout=10))["code"] == "unknown_work_unit"
+        assert (await send(communicator, {"type": "ready"}))["type"] == "assign"  # still alive
+        await communicator.disconnect()
+
+    async_to_sync(scenario)()
+
+
+def test_disconnect_releases_work_and_waiting_volunteers_get_work_pushed(
+    mlp_project: Project, volunteer_user: User, other_volunteer: User
+) -> None:
+    async def scenario() -> None:
+        first = await greet(volunteer_user)
+        assert (await send(first, {"type": "ready"}))["type"] == "assign"
+        assert (await send(first, {"type": "ready"}))["type"] == "assign"
+        second = await greet(other_volunteer)
+        assert (await send(second, {"type": "ready"}))["type"] == "idle"  # the round is all handed out
+        await first.disconnect()
+        pushed = json.loads(await second.receive_from(timeout=10))
+        assert pushed["type"] == "assign"
+        await second.disconnect()
+
+    async_to_sync(scenario)()
+
+
+def test_cancel_reaches_the_volunteer_holding_stale_work(mlp_project: Project, volunteer_user: User) -> None:
+    async def scenario() -> None:
+        communicator = await greet(volunteer_user)
+        assign = await send(communicator, {"type": "ready"})
+        await database_sync_to_async(_pause)(mlp_project)
+        cancel = json.loads(await communicator.receive_from(timeout=10))
+        assert cancel == {"type": "cancel", "work_units": [assign["work_unit"]["id"]], "reason": "project paused"}
+        await communicator.disconnect()
+
+    async_to_sync(scenario)()
+
+
+def _pause(project: Project) -> None:
+    from projects.services import project_pause
+
+    project_pause(project=project)

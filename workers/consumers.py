@@ -1,0 +1,129 @@
+"""The volunteer WebSocket: parse frames, call services, send replies. No training logic lives here."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from channels.db import database_sync_to_async
+from channels.generic.websocket import AsyncWebsocketConsumer
+
+from projects import notify
+from projects.services import (
+    ResultError,
+    result_submit,
+    work_unit_assign,
+    work_units_release,
+)
+from workers import protocol
+from workers.protocol import ProtocolError, ResultMeta
+from workers.services import device_register, volunteer_ensure
+
+UNAUTHENTICATED = 4401
+
+
+class VolunteerConsumer(AsyncWebsocketConsumer):
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.assigned: set[int] = set()  # work units this connection holds; released if it drops
+        self.pending: ResultMeta | None = None  # a result whose tensors arrive in the next binary frame
+        self.greeted = False
+        self.waiting = False
+        self.joined = False
+
+    async def connect(self) -> None:
+        self.user = self.scope.get("user")
+        if self.user is None or not self.user.is_authenticated:
+            await self.close(code=UNAUTHENTICATED)
+            return
+        for group in self._groups():
+            await self.channel_layer.group_add(group, self.channel_name)
+        self.joined = True
+        await self.accept()
+
+    async def disconnect(self, code: int) -> None:
+        if not self.joined:
+            return
+        for group in self._groups():
+            await self.channel_layer.group_discard(group, self.channel_name)
+        released = await database_sync_to_async(work_units_release)(
+            user=self.user, work_unit_ids=list(self.assigned)
+        )
+        if released:
+            await self.channel_layer.group_send(notify.VOLUNTEERS_GROUP, {"type": "work.available"})
+
+    def _groups(self) -> list[str]:
+        return [notify.VOLUNTEERS_GROUP, notify.user_group(self.user.pk)]
+
+    async def receive(self, text_data: str | None = None, bytes_data: bytes | None = None) -> None:
+        try:
+            if bytes_data is not None:
+                await self.on_tensors(bytes_data)
+                return
+            message = protocol.parse_message(text_data or "")
+            if message["type"] != "hello" and not self.greeted:
+                raise ProtocolError("protocol", "Say hello first.")
+            await getattr(self, f"on_{message['type']}")(message)
+        except ProtocolError as exc:
+            await self.send_json(protocol.error_message(exc.code, str(exc)))
+
+    async def send_json(self, message: dict[str, Any]) -> None:
+        await self.send(text_data=json.dumps(message))
+
+    # --- client messages --------------------------------------------------------------------------
+
+    async def on_hello(self, message: dict[str, Any]) -> None:
+        device = protocol.parse_hello(message)
+        await database_sync_to_async(device_register)(user=self.user, device=device)
+        volunteer = await database_sync_to_async(volunteer_ensure)(user=self.user)
+        self.greeted = True
+        await self.send_json({
+            "type": "welcome",
+            "protocol": protocol.PROTOCOL_VERSION,
+            "volunteer": {"username": self.user.get_username(), "credit_flops": volunteer.total_flops},
+        })
+
+    async def on_ready(self, message: dict[str, Any]) -> None:
+        work_unit = await database_sync_to_async(work_unit_assign)(user=self.user)
+        if work_unit is None:
+            self.waiting = True
+            await self.send_json({"type": "idle"})
+            return
+        self.waiting = False
+        self.assigned.add(work_unit.pk)
+        await self.send_json(protocol.assign_message(work_unit))
+
+    async def on_progress(self, message: dict[str, Any]) -> None:
+        """Heartbeats keep the connection alive; deadlines are enforced by the transitioner."""
+
+    async def on_result(self, message: dict[str, Any]) -> None:
+        self.pending = protocol.parse_result(message)
+
+    async def on_bye(self, message: dict[str, Any]) -> None:
+        await self.close()
+
+    async def on_tensors(self, payload: bytes) -> None:
+        meta, self.pending = self.pending, None
+        if meta is None:
+            raise ProtocolError("bad_message", "A binary frame must follow a result message.")
+        try:
+            outcome = await database_sync_to_async(result_submit)(
+                user=self.user, work_unit_id=meta.work_unit, samples=meta.samples, loss=meta.loss,
+                compute_ms=meta.compute_ms, payload=payload,
+            )
+        except ResultError as exc:
+            raise ProtocolError(exc.code, str(exc)) from exc
+        self.assigned.discard(meta.work_unit)
+        await self.send_json(protocol.ack_message(outcome))
+
+    # --- channel-layer events ---------------------------------------------------------------------
+
+    async def work_available(self, event: dict[str, Any]) -> None:
+        if self.waiting:
+            await self.on_ready({})
+
+    async def work_cancel(self, event: dict[str, Any]) -> None:
+        cancelled = [pk for pk in event["work_units"] if pk in self.assigned]
+        self.assigned.difference_update(cancelled)
+        if cancelled:
+            await self.send_json({"type": "cancel", "work_units": cancelled, "reason": event["reason"]})
