@@ -44,6 +44,7 @@ INSTALLED_APPS = [
     "projects",
     "workers",
     "frontend",
+    "crowdtrain",  # management commands: runplatform, ensure_admin
 ]
 
 MIDDLEWARE = [
@@ -85,6 +86,7 @@ DATABASES = {
 if DATABASES["default"]["ENGINE"].endswith("sqlite3"):
     # Several processes (daphne, worker, beat) share one file: wait for locks instead of failing.
     DATABASES["default"]["OPTIONS"] = {"timeout": 30, "transaction_mode": "IMMEDIATE"}
+    Path(DATABASES["default"]["NAME"]).parent.mkdir(parents=True, exist_ok=True)
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 
 AUTH_PASSWORD_VALIDATORS = [

@@ -19,7 +19,7 @@ from django.db.models import Sum
 from engine.flops import train_flops_per_sample
 
 from engine import aggregate, codecs, runtime
-from engine.graph import Graph, GraphError, graph_to_json, load_graph
+from engine.graph import Graph, GraphError, graph_to_json, infer_shapes, load_graph
 from engine.presets import export_preset
 from projects import notify
 from projects.blobs import blob_put
@@ -124,6 +124,9 @@ def _graph_for_dataset(*, graph_dict: dict[str, Any], dataset: Dataset) -> Graph
         raise ProjectError(
             f"The model expects samples of shape {sample_shape}, the dataset has {dataset.input_shape}."
         )
+    classes = infer_shapes(graph, batch=1)[graph.output][-1]
+    if graph.loss.op == "cross_entropy" and classes < dataset.num_classes:
+        raise ProjectError(f"The model predicts {classes} classes, the dataset has {dataset.num_classes}.")
     return graph
 
 

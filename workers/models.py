@@ -43,3 +43,6 @@ class CreditEntry(models.Model):
     result = models.OneToOneField("projects.Result", on_delete=models.CASCADE, related_name="credit")
     flops = models.BigIntegerField()
     created_at = models.DateTimeField(auto_now_add=True, db_index=True)
+
+    class Meta:
+        verbose_name_plural = "credit entries"

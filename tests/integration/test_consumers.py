@@ -29,7 +29,8 @@ def session_headers(user: User) -> list[tuple[bytes, bytes]]:
 
 
 async def connect(user: User | None) -> WebsocketCommunicator:
-    headers = session_headers(user) if user else [(b"origin", b"http://localhost")]
+    anonymous = [(b"origin", b"http://localhost")]
+    headers = await database_sync_to_async(session_headers)(user) if user else anonymous
     communicator = WebsocketCommunicator(application, "/ws/volunteer/", headers=headers)
     return communicator
 

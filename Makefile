@@ -1,0 +1,81 @@
+# Crowdtrain: `make run` sets everything up and runs the platform; `make test` runs the whole test suite.
+#
+# Overrides (environment or `make VAR=value`):
+#   PYTHON=python3.11        interpreter used to create .venv
+#   TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
+#                            extra pip index for the CPU build of torch, on machines whose pip
+#                            configuration does not already provide it
+#   PYTEST_ARGS="-m 'not browser'"   extra arguments for pytest
+
+SHELL := /bin/bash
+.SHELLFLAGS := -eu -o pipefail -c
+.DEFAULT_GOAL := help
+
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+TORCH_INDEX_URL ?=
+PIP_INSTALL := $(PY) -m pip install --disable-pip-version-check $(if $(TORCH_INDEX_URL),--extra-index-url $(TORCH_INDEX_URL))
+PYTEST_ARGS ?=
+
+# Stamp files named after the hash of what they were built from: a changed file means a new stamp.
+hash = $(shell cat $(1) | sha256sum | cut -c1-16)
+RUN_STAMP := $(VENV)/.installed-$(call hash,requirements.txt)
+DEV_STAMP := $(VENV)/.installed-dev-$(call hash,requirements.txt requirements-dev.txt)
+NODE_STAMP := node_modules/.installed-$(call hash,package-lock.json)
+
+define forget-old-stamps
+find $(VENV) -maxdepth 1 -name '.installed-*' ! -name '$(notdir $(RUN_STAMP))' ! -name '$(notdir $(DEV_STAMP))' -delete
+endef
+
+.PHONY: help run test lint docker setup setup-dev vendor
+
+help:
+	@echo "make run     set up (.venv, npm, database, admin, demo data) and run the platform on http://127.0.0.1:8000"
+	@echo "make test    set up the dev tools and run the whole test suite"
+	@echo "make lint    ruff + mypy"
+	@echo "make docker  docker compose up --build (production shape; needs .env, see platform/env.example)"
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+
+$(RUN_STAMP): | $(PY)
+	$(PIP_INSTALL) -r requirements.txt
+	$(forget-old-stamps)
+	touch $@
+
+$(DEV_STAMP): | $(PY)
+	$(PIP_INSTALL) -r requirements-dev.txt
+	$(forget-old-stamps)
+	touch $@ $(RUN_STAMP)
+
+# Only when missing: the lockfile is committed, and `npm ci` installs exactly what it says.
+package-lock.json:
+	npm install --package-lock-only --no-audit --no-fund
+
+$(NODE_STAMP): package-lock.json
+	npm ci --no-audit --no-fund
+	touch $@
+
+vendor: $(NODE_STAMP) | $(PY)
+	$(PY) scripts/vendor_static.py
+
+setup: $(RUN_STAMP) vendor
+	$(PY) manage.py migrate --noinput
+	$(PY) manage.py ensure_admin
+	$(PY) manage.py seed_demo
+
+setup-dev: $(DEV_STAMP) vendor
+
+run: setup
+	exec $(PY) manage.py runplatform
+
+test: setup-dev
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+lint: $(DEV_STAMP)
+	$(PY) -m ruff check .
+	$(PY) -m mypy
+
+docker:
+	docker compose up --build

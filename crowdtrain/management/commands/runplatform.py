@@ -1,0 +1,81 @@
+"""`manage.py runplatform`: run the whole platform locally (redis, daphne, celery worker and beat)."""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+from argparse import ArgumentParser
+from pathlib import Path
+from typing import Any
+
+from django.conf import settings
+from django.core.management.base import BaseCommand, CommandError
+
+from crowdtrain import supervisor
+from crowdtrain.supervisor import Child, emit
+
+ANY_ADDRESS = {"0.0.0.0", "::", ""}
+
+
+def platform_children(host: str, port: int, beat_schedule: Path) -> list[Child]:
+    """daphne, a celery worker and celery beat, all run by this very interpreter."""
+    python = [sys.executable, "-m"]
+    celery = [*python, "celery", "-A", "crowdtrain"]
+    return [
+        Child("web", [*python, "daphne", "-b", host, "-p", str(port), "crowdtrain.asgi:application"]),
+        Child("worker", [*celery, "worker", "--pool", "solo", "--concurrency", "1", "-l", "info"]),
+        Child("beat", [*celery, "beat", "-l", "info", "-s", str(beat_schedule)]),
+    ]
+
+
+class Command(BaseCommand):
+    help = "Run redis (bundled, unless REDIS_URL is set), daphne, a celery worker and celery beat."
+
+    def add_arguments(self, parser: ArgumentParser) -> None:
+        parser.add_argument("--host", default=os.environ.get("HOST", "127.0.0.1"))
+        parser.add_argument("--port", type=int, default=int(os.environ.get("PORT", "8000")))
+
+    def handle(self, *args: Any, host: str, port: int, **options: Any) -> None:
+        if supervisor.port_open("127.0.0.1" if host in ANY_ADDRESS else host, port):
+            raise CommandError(f"Port {port} is in use: stop what uses it, or set PORT=<another port>.")
+        settings.VAR_DIR.mkdir(parents=True, exist_ok=True)  # beat's schedule, the bundled redis's data
+        stopping = supervisor.install_stop_handlers()
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        services: list[Child] = []  # stopped last: the apps need them to shut down cleanly
+        apps: list[Child] = []
+        dead: Child | None = None
+        try:
+            if "REDIS_URL" not in os.environ:
+                env["REDIS_URL"] = self.start_redis(services, env)
+            for child in platform_children(host, port, settings.VAR_DIR / "celerybeat-schedule"):
+                supervisor.start(child, env, settings.BASE_DIR)
+                apps.append(child)
+            self.announce_when_listening(apps[0], host, port)
+            dead = supervisor.supervise(services + apps, stopping)
+        finally:
+            emit("platform", "stopping...")
+            supervisor.stop(apps)
+            supervisor.stop(services)
+        if dead is not None:
+            code = dead.proc.returncode if dead.proc else None
+            raise CommandError(f"{dead.name} exited unexpectedly (exit code {code}); stopped the others.")
+        emit("platform", "stopped.")
+
+    def start_redis(self, children: list[Child], env: dict[str, str]) -> str:
+        port = supervisor.free_port()
+        redis = Child("redis", supervisor.redis_argv(settings.VAR_DIR / "redis", port))
+        supervisor.start(redis, env, settings.BASE_DIR)
+        children.append(redis)
+        if not supervisor.wait_for_port("127.0.0.1", port, 20, lambda: supervisor.alive(redis)):
+            raise CommandError("the bundled redis-server did not start; see the [redis] lines above")
+        return f"redis://127.0.0.1:{port}/0"
+
+    def announce_when_listening(self, web: Child, host: str, port: int) -> None:
+        probe = "127.0.0.1" if host in ANY_ADDRESS else host
+
+        def watch() -> None:
+            if supervisor.wait_for_port(probe, port, 120, lambda: supervisor.alive(web)):
+                emit("platform", f"Crowdtrain is running: open http://{probe}:{port}/  (Ctrl-C stops it all)")
+
+        threading.Thread(target=watch, daemon=True, name="announce").start()

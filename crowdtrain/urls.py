@@ -1,0 +1,19 @@
+"""Root URLconf: the admin (with the staff credit dashboard), the public pages, blobs and the JSON API."""
+
+from django.contrib import admin
+from django.urls import include, path
+
+from frontend.views import admin_dashboard
+
+admin.site.site_header = "Crowdtrain administration"
+admin.site.site_title = "Crowdtrain admin"
+admin.site.index_title = "Projects, datasets and volunteers"
+# Extends admin/index.html with a link to the dashboard (an app template cannot shadow the admin's own).
+admin.site.index_template = "admin/crowdtrain_index.html"
+
+urlpatterns = [
+    path("admin/dashboard/", admin.site.admin_view(admin_dashboard), name="admin-dashboard"),
+    path("admin/", admin.site.urls),
+    path("", include("frontend.urls")),
+    path("", include("projects.urls")),
+]

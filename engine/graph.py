@@ -1,0 +1,422 @@
+"""Loading and validating model graphs (format ``crowdtrain.graph`` v1, see docs/graph-format.md).
+
+Graphs come from users, so everything is checked before anything runs: structure, names, limits,
+attributes, and shapes (by running the graph on shape-only ``meta`` tensors).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from engine import ops
+
+FORMAT = "crowdtrain.graph"
+VERSION = 1
+MAX_NODES = 2_000
+MAX_PARAMS = 500
+MAX_PARAM_ELEMENTS = 200_000_000
+MAX_NAME = 200
+MAX_INT = 2**31 - 1
+NAME_RE = re.compile(r"[A-Za-z0-9_.:/-]+")
+
+DTYPES = {"float32": torch.float32, "int64": torch.int64}
+
+
+class GraphError(ValueError):
+    """The graph is malformed; the message names the offending part."""
+
+
+class _Required:
+    def __repr__(self) -> str:
+        return "REQUIRED"
+
+
+REQUIRED: Any = _Required()
+
+
+@dataclass(frozen=True)
+class Attr:
+    kind: str  # int | float | bool | str | ints | pair | pair_or_none
+    default: Any = REQUIRED
+    choices: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class OpSpec:
+    # Slot names in order; a trailing "?" marks an optional (nullable) input, "*" a variadic one.
+    inputs: tuple[str, ...]
+    attrs: Mapping[str, Attr] = field(default_factory=dict)
+
+
+_X = ("x",)
+_POOL = {"kernel_size": Attr("pair"), "stride": Attr("pair_or_none", None),
+         "padding": Attr("pair", [0, 0])}
+
+OP_SPECS: dict[str, OpSpec] = {
+    "linear": OpSpec(("x", "weight", "bias?")),
+    "conv2d": OpSpec(("x", "weight", "bias?"), {
+        "stride": Attr("pair", [1, 1]), "padding": Attr("pair", [0, 0]),
+        "dilation": Attr("pair", [1, 1]), "groups": Attr("int", 1)}),
+    "batch_norm": OpSpec(("x", "weight", "bias", "running_mean", "running_var"), {
+        "eps": Attr("float", 1e-5), "momentum": Attr("float", 0.1)}),
+    "layer_norm": OpSpec(("x", "weight?", "bias?"), {
+        "normalized_shape": Attr("ints"), "eps": Attr("float", 1e-5)}),
+    "embedding": OpSpec(("ids", "weight")),
+    "relu": OpSpec(_X),
+    "tanh": OpSpec(_X),
+    "sigmoid": OpSpec(_X),
+    "gelu": OpSpec(_X, {"approximate": Attr("str", "none", ("none", "tanh"))}),
+    "softmax": OpSpec(_X, {"dim": Attr("int")}),
+    "log_softmax": OpSpec(_X, {"dim": Attr("int")}),
+    "dropout": OpSpec(_X, {"p": Attr("float")}),
+    "max_pool2d": OpSpec(_X, _POOL),
+    "avg_pool2d": OpSpec(_X, _POOL),
+    "adaptive_avg_pool2d": OpSpec(_X, {"output_size": Attr("pair")}),
+    "flatten": OpSpec(_X, {"start_dim": Attr("int", 1), "end_dim": Attr("int", -1)}),
+    "reshape": OpSpec(_X, {"shape": Attr("ints")}),
+    "permute": OpSpec(_X, {"dims": Attr("ints")}),
+    "transpose": OpSpec(_X, {"dim0": Attr("int"), "dim1": Attr("int")}),
+    "add": OpSpec(("a", "b")),
+    "sub": OpSpec(("a", "b")),
+    "mul": OpSpec(("a", "b")),
+    "div": OpSpec(("a", "b")),
+    "scale": OpSpec(_X, {"factor": Attr("float")}),
+    "matmul": OpSpec(("a", "b")),
+    "concat": OpSpec(("x*",), {"dim": Attr("int")}),
+    "split": OpSpec(_X, {"dim": Attr("int"), "start": Attr("int"), "length": Attr("int")}),
+    "scaled_dot_product_attention": OpSpec(("q", "k", "v"), {"is_causal": Attr("bool", False)}),
+    "arange_embedding": OpSpec(("x", "weight")),
+}
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    name: str
+    shape: tuple[int, ...]
+    dtype: str = "float32"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "shape": list(self.shape), "dtype": self.dtype}
+
+
+@dataclass(frozen=True)
+class Node:
+    name: str
+    op: str
+    inputs: tuple[str | None, ...]
+    attrs: Mapping[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "op": self.op, "inputs": list(self.inputs),
+                "attrs": dict(self.attrs)}
+
+
+@dataclass(frozen=True)
+class Loss:
+    op: str
+    inputs: tuple[str, str]
+    attrs: Mapping[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"op": self.op, "inputs": list(self.inputs), "attrs": dict(self.attrs)}
+
+
+@dataclass(frozen=True)
+class Graph:
+    name: str
+    inputs: tuple[TensorSpec, ...]
+    targets: tuple[TensorSpec, ...]
+    params: tuple[TensorSpec, ...]
+    buffers: tuple[TensorSpec, ...]
+    nodes: tuple[Node, ...]
+    output: str
+    loss: Loss
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "format": FORMAT, "version": VERSION, "name": self.name,
+            "inputs": [s.to_dict() for s in self.inputs],
+            "targets": [s.to_dict() for s in self.targets],
+            "params": [s.to_dict() for s in self.params],
+            "buffers": [s.to_dict() for s in self.buffers],
+            "nodes": [n.to_dict() for n in self.nodes],
+            "output": self.output,
+            "loss": self.loss.to_dict(),
+        }
+
+    def param_count(self) -> int:
+        return sum(math.prod(p.shape) for p in self.params)
+
+
+def graph_to_json(graph: Graph) -> bytes:
+    """Canonical JSON (sorted keys, no whitespace): equal graphs give equal bytes and hashes."""
+    return json.dumps(graph.to_dict(), sort_keys=True, separators=(",", ":"),
+                      allow_nan=False).encode()
+
+
+# ---------------------------------------------------------------- parsing helpers
+
+
+def _fail(msg: str) -> GraphError:
+    return GraphError(msg)
+
+
+def _get(d: Mapping[str, Any], key: str, kind: type | tuple[type, ...], where: str) -> Any:
+    if key not in d:
+        raise _fail(f"{where}: missing '{key}'")
+    value = d[key]
+    if not isinstance(value, kind) or isinstance(value, bool) and kind is not bool:
+        raise _fail(f"{where}: '{key}' has the wrong type ({type(value).__name__})")
+    return value
+
+
+def _check_name(name: Any, where: str) -> str:
+    if not isinstance(name, str) or len(name) > MAX_NAME or not NAME_RE.fullmatch(name):
+        raise _fail(f"{where}: invalid name {name!r} (at most {MAX_NAME} chars of "
+                    f"[A-Za-z0-9_.:/-])")
+    return name
+
+
+def _is_int(v: Any) -> bool:
+    # Bounded so every size and index fits the int32 that TF.js and torch kernels use.
+    return isinstance(v, int) and not isinstance(v, bool) and abs(v) <= MAX_INT
+
+
+def _parse_spec(raw: Any, section: str, batched: bool, dtypes: tuple[str, ...]) -> TensorSpec:
+    where = section
+    if not isinstance(raw, dict):
+        raise _fail(f"{section}: entries must be objects")
+    name = _check_name(raw.get("name"), section)
+    where = f"{section} '{name}'"
+    shape = _get(raw, "shape", list, where)
+    if not all(_is_int(d) for d in shape):
+        raise _fail(f"{where}: shape must be a list of ints")
+    dims = shape[1:] if batched else shape
+    if batched and (not shape or shape[0] != -1):
+        raise _fail(f"{where}: the first dimension must be the batch dimension -1")
+    if any(d <= 0 for d in dims):
+        raise _fail(f"{where}: dimensions must be positive, got {shape}")
+    dtype = raw.get("dtype", "float32")
+    if dtype not in dtypes:
+        raise _fail(f"{where}: dtype must be one of {list(dtypes)}, got {dtype!r}")
+    return TensorSpec(name, tuple(shape), dtype)
+
+
+def _parse_specs(data: Mapping[str, Any], section: str, batched: bool,
+                 dtypes: tuple[str, ...], required: bool = True) -> tuple[TensorSpec, ...]:
+    if section not in data and not required:
+        return ()
+    raw = _get(data, section, list, "graph")
+    return tuple(_parse_spec(r, section, batched, dtypes) for r in raw)
+
+
+def _norm_attr(spec: Attr, value: Any, where: str) -> Any:
+    kind = spec.kind
+    if kind == "pair_or_none" and value is None:
+        return None
+    if kind in ("pair", "pair_or_none"):
+        if _is_int(value):
+            value = [value, value]
+        if not (isinstance(value, list) and len(value) == 2 and all(_is_int(v) for v in value)):
+            raise _fail(f"{where}: expected an int or a list of two ints, got {value!r}")
+        return list(value)
+    if kind == "ints":
+        if not (isinstance(value, list) and all(_is_int(v) for v in value)):
+            raise _fail(f"{where}: expected a list of ints, got {value!r}")
+        return list(value)
+    if kind == "int" and _is_int(value):
+        return value
+    if kind == "float" and (_is_int(value) or isinstance(value, float)) and math.isfinite(value):
+        return float(value)
+    if kind == "bool" and isinstance(value, bool):
+        return value
+    if kind == "str" and isinstance(value, str) and value in spec.choices:
+        return value
+    raise _fail(f"{where}: invalid value {value!r} (expected {kind}"
+                + (f" in {list(spec.choices)})" if spec.choices else ")"))
+
+
+def _parse_attrs(op: str, raw: Any, where: str) -> dict[str, Any]:
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise _fail(f"{where}: attrs must be an object")
+    specs = OP_SPECS[op].attrs
+    unknown = sorted(set(raw) - set(specs))
+    if unknown:
+        raise _fail(f"{where}: unknown attrs {unknown} for op '{op}'")
+    out: dict[str, Any] = {}
+    for key, spec in specs.items():
+        if key in raw:
+            out[key] = _norm_attr(spec, raw[key], f"{where} attr '{key}'")
+        elif spec.default is REQUIRED:
+            raise _fail(f"{where}: missing required attr '{key}' for op '{op}'")
+        else:
+            out[key] = spec.default
+    if "stride" in out and out["stride"] is None:
+        out["stride"] = list(out["kernel_size"])  # torch's pooling default
+    if op == "reshape" and out["shape"].count(-1) > 1:
+        raise _fail(f"{where}: reshape may use -1 only once")
+    return out
+
+
+def _check_inputs(op: str, inputs: Any, defined: set[str], where: str) -> tuple[str | None, ...]:
+    if not isinstance(inputs, list):
+        raise _fail(f"{where}: inputs must be a list")
+    slots = OP_SPECS[op].inputs
+    variadic = slots[-1].endswith("*")
+    if variadic and not inputs or not variadic and len(inputs) != len(slots):
+        raise _fail(f"{where}: op '{op}' takes inputs {list(slots)}, got {len(inputs)}")
+    for i, name in enumerate(inputs):
+        slot = slots[min(i, len(slots) - 1)]
+        if name is None:
+            if not slot.endswith("?"):
+                raise _fail(f"{where}: input '{slot.rstrip('*')}' may not be null")
+            continue
+        if not isinstance(name, str) or name not in defined:
+            raise _fail(f"{where}: input {name!r} is not defined before this node")
+    return tuple(inputs)
+
+
+def _parse_node(raw: Any, index: int, defined: set[str]) -> Node:
+    if not isinstance(raw, dict):
+        raise _fail(f"node #{index}: must be an object")
+    name = _check_name(raw.get("name"), f"node #{index}")
+    op = raw.get("op")
+    where = f"node '{name}'"
+    if not isinstance(op, str) or op not in OP_SPECS:
+        raise _fail(f"{where}: unknown op {op!r}")
+    where = f"node '{name}' ({op})"
+    inputs = _check_inputs(op, raw.get("inputs"), defined, where)
+    return Node(name, op, inputs, _parse_attrs(op, raw.get("attrs"), where))
+
+
+def _check_unique(names: list[str]) -> None:
+    seen: set[str] = set()
+    for name in names:
+        if name in seen:
+            raise _fail(f"duplicate name '{name}'")
+        seen.add(name)
+
+
+def _check_limits(params: tuple[TensorSpec, ...], nodes: list[Any]) -> None:
+    if len(nodes) > MAX_NODES:
+        raise _fail(f"too many nodes: {len(nodes)} > {MAX_NODES}")
+    if len(params) > MAX_PARAMS:
+        raise _fail(f"too many params: {len(params)} > {MAX_PARAMS}")
+    elements = sum(math.prod(p.shape) for p in params)
+    if elements > MAX_PARAM_ELEMENTS:
+        raise _fail(f"too many parameter elements: {elements} > {MAX_PARAM_ELEMENTS}")
+
+
+def _parse_loss(raw: Any, output: str, targets: tuple[TensorSpec, ...]) -> Loss:
+    if not isinstance(raw, dict):
+        raise _fail("loss: must be an object")
+    op = raw.get("op")
+    if op not in ops.LOSSES:
+        raise _fail(f"loss: unknown op {op!r} (expected one of {list(ops.LOSSES)})")
+    inputs = raw.get("inputs")
+    target_names = {t.name for t in targets}
+    if not (isinstance(inputs, list) and len(inputs) == 2 and inputs[0] == output
+            and isinstance(inputs[1], str) and inputs[1] in target_names):
+        raise _fail(f"loss: inputs must be [output '{output}', a target], got {inputs!r}")
+    if raw.get("attrs") not in (None, {}):
+        raise _fail("loss: attrs must be empty")
+    return Loss(op, (inputs[0], inputs[1]), {})
+
+
+def _parse_header(data: Any) -> dict[str, Any]:
+    if isinstance(data, (bytes, str)):
+        try:
+            data = json.loads(data)
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise _fail(f"graph is not valid JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise _fail("graph must be a JSON object")
+    if data.get("format") != FORMAT or data.get("version") != VERSION:
+        raise _fail(f"unsupported graph format {data.get('format')!r} version "
+                    f"{data.get('version')!r} (expected {FORMAT!r} version {VERSION})")
+    return data
+
+
+def load_graph(data: dict[str, Any] | str | bytes) -> Graph:
+    """Parse and fully validate a graph; raises GraphError naming the offending part."""
+    data = _parse_header(data)
+    name = _check_name(data.get("name", "model"), "graph")
+    inputs = _parse_specs(data, "inputs", True, ("float32", "int64"))
+    targets = _parse_specs(data, "targets", True, ("float32", "int64"))
+    params = _parse_specs(data, "params", False, ("float32",))
+    buffers = _parse_specs(data, "buffers", False, ("float32",), required=False)
+    raw_nodes = _get(data, "nodes", list, "graph")
+    if not inputs or not targets or not raw_nodes:
+        raise _fail("graph needs at least one input, one target and one node")
+    _check_limits(params, raw_nodes)
+    defined = {s.name for s in (*inputs, *targets, *params, *buffers)}
+    _check_unique([s.name for s in (*inputs, *targets, *params, *buffers)])
+    nodes: list[Node] = []
+    for i, raw in enumerate(raw_nodes):
+        node = _parse_node(raw, i, defined)
+        if node.name in defined:
+            raise _fail(f"duplicate name '{node.name}'")
+        defined.add(node.name)
+        nodes.append(node)
+    output = data.get("output")
+    if not isinstance(output, str) or output not in {n.name for n in nodes}:
+        raise _fail(f"output {output!r} is not a node")
+    loss = _parse_loss(data.get("loss"), output, targets)
+    graph = Graph(name, inputs, targets, params, buffers, tuple(nodes), output, loss)
+    infer_shapes(graph)
+    return graph
+
+
+# ---------------------------------------------------------------- shape inference
+
+
+def _meta(spec: TensorSpec, batch: int) -> torch.Tensor:
+    shape = [batch if d == -1 else d for d in spec.shape]
+    return torch.empty(shape, dtype=DTYPES[spec.dtype], device="meta")
+
+
+def _first_line(exc: BaseException) -> str:
+    # torch appends C++ stack traces to some messages; users need only the first line.
+    return (str(exc).strip().splitlines() or [type(exc).__name__])[0][:500]
+
+
+def _meta_values(graph: Graph, batch: int) -> dict[str, torch.Tensor]:
+    values: dict[str, torch.Tensor] = {}
+    for spec in (*graph.inputs, *graph.targets, *graph.params, *graph.buffers):
+        try:
+            values[spec.name] = _meta(spec, batch)
+        except (RuntimeError, ValueError, OverflowError) as exc:
+            raise _fail(f"'{spec.name}': unusable shape {list(spec.shape)}: {_first_line(exc)}"
+                        ) from None
+    for node in graph.nodes:
+        args = [None if n is None else values[n] for n in node.inputs]
+        try:
+            values[node.name] = ops.run_op(node.op, args, node.attrs, False)
+        except (RuntimeError, ValueError, IndexError, TypeError, OverflowError) as exc:
+            shapes = [None if a is None else list(a.shape) for a in args]
+            raise _fail(f"node '{node.name}' ({node.op}): {_first_line(exc)} (input shapes {shapes})"
+                        ) from None
+    return values
+
+
+def infer_shapes(graph: Graph, batch: int = 2) -> dict[str, tuple[int, ...]]:
+    """Shape of every named value (inputs, targets, params, buffers, nodes) for ``batch`` samples.
+
+    Runs the graph on meta tensors (no data, no compute), so the shapes are exactly torch's.
+    """
+    values = _meta_values(graph, batch)
+    pred, target = values[graph.loss.inputs[0]], values[graph.loss.inputs[1]]
+    try:
+        ops.check_loss_shapes(graph.loss.op, pred, target)
+    except ValueError as exc:
+        raise _fail(f"loss ({graph.loss.op}): {exc}") from None
+    return {name: tuple(v.shape) for name, v in values.items()}

@@ -1,0 +1,362 @@
+// Interpreter of crowdtrain.graph (docs/graph-format.md) over TensorFlow.js.
+// Every tensor keeps PyTorch's layout (NCHW); TF.js is NHWC, so conv/pool transpose around the kernel.
+// Classic script: attaches to self.crowdtrain.runtime; needs the global `tf`.
+(function (ns) {
+  "use strict";
+
+  const FLOAT32_LOWEST = -3.4028234663852886e38; // max-pool padding that never wins a window
+
+  // ---- small helpers ---------------------------------------------------------------------------
+  const axis = (d, rank) => (d < 0 ? d + rank : d);
+  const prod = (xs) => xs.reduce((a, b) => a * b, 1);
+  const attr = (a, key, fallback) => (a[key] === undefined || a[key] === null ? fallback : a[key]);
+
+  function pair(v, fallback) {
+    if (v === undefined || v === null || (Array.isArray(v) && v.length === 0)) v = fallback;
+    return Array.isArray(v) ? (v.length === 1 ? [v[0], v[0]] : v.slice(0, 2)) : [v, v];
+  }
+
+  const toNHWC = (x) => tf.transpose(x, [0, 2, 3, 1]);
+  const toNCHW = (x) => tf.transpose(x, [0, 3, 1, 2]);
+  const channelShape = (x) => x.shape.map((s, i) => (i === 1 ? s : 1));
+
+  // ---- convolution and pooling ------------------------------------------------------------------
+  // TF.js has no gradient for dilated conv2d, so dilate the kernel itself (zeros between taps);
+  // the interleave is built from differentiable ops so the weight gradient is exact.
+  function dilateFirstAxis(f, d) {
+    if (d === 1) return f;
+    const k = f.shape[0];
+    const zeros = tf.zeros([k, d - 1, ...f.shape.slice(1)]);
+    const spread = tf.concat([tf.expandDims(f, 1), zeros], 1).reshape([k * d, ...f.shape.slice(1)]);
+    return tf.slice(spread, 0, (k - 1) * d + 1);
+  }
+
+  function dilateKernel(f, dh, dw) {
+    const rows = dilateFirstAxis(f, dh);
+    if (dw === 1) return rows;
+    const perm = [1, 0, 2, 3];
+    return tf.transpose(dilateFirstAxis(tf.transpose(rows, perm), dw), perm);
+  }
+
+  // TF.js conv2d has no `groups`: run one convolution per group.
+  function groupedConv(xh, f, groups, strides) {
+    if (groups === 1) return tf.conv2d(xh, f, strides, "valid");
+    const xs = tf.split(xh, groups, 3);
+    const fs = tf.split(f, groups, 3);
+    return tf.concat(xs.map((x, i) => tf.conv2d(x, fs[i], strides, "valid")), 3);
+  }
+
+  function conv2d([x, w, b], a) {
+    const [ph, pw] = pair(a.padding, 0);
+    const [dh, dw] = pair(a.dilation, 1);
+    let xh = toNHWC(x);
+    if (ph || pw) xh = tf.pad(xh, [[0, 0], [ph, ph], [pw, pw], [0, 0]]);
+    const f = dilateKernel(tf.transpose(w, [2, 3, 1, 0]), dh, dw); // OIHW -> HWIO
+    let y = toNCHW(groupedConv(xh, f, attr(a, "groups", 1), pair(a.stride, 1)));
+    if (b) y = tf.add(y, b.reshape([1, -1, 1, 1]));
+    return y;
+  }
+
+  function pool2d(kind) {
+    return ([x], a) => {
+      const k = pair(a.kernel_size);
+      const s = pair(a.stride, k); // torch: stride defaults to kernel_size
+      const [ph, pw] = pair(a.padding, 0);
+      let xh = toNHWC(x);
+      // avg: torch counts the zero padding (count_include_pad=True); max: padding never wins.
+      if (ph || pw) xh = tf.pad(xh, [[0, 0], [ph, ph], [pw, pw], [0, 0]], kind === "max" ? FLOAT32_LOWEST : 0);
+      const y = kind === "max" ? tf.maxPool(xh, k, s, "valid") : tf.avgPool(xh, k, s, "valid");
+      return toNCHW(y);
+    };
+  }
+
+  // Row i of the [out, in] matrix averages torch's adaptive bin [floor(i*in/out), ceil((i+1)*in/out)).
+  function adaptiveMatrix(inSize, outSize) {
+    const m = new Float32Array(outSize * inSize);
+    for (let i = 0; i < outSize; i++) {
+      const lo = Math.floor((i * inSize) / outSize), hi = Math.ceil(((i + 1) * inSize) / outSize);
+      for (let j = lo; j < hi; j++) m[i * inSize + j] = 1 / (hi - lo);
+    }
+    return tf.tensor2d(m, [outSize, inSize]);
+  }
+
+  // Bins are rectangles, so the pooling separates: average the columns, then the rows.
+  function adaptiveAvgPool2d([x], a) {
+    const [n, c, h, w] = x.shape;
+    const [oh, ow] = pair(a.output_size).map((v, i) => (v === null ? [h, w][i] : v));
+    if (oh === 1 && ow === 1) return tf.mean(x, [2, 3], true);
+    const cols = tf.matMul(x.reshape([-1, w]), adaptiveMatrix(w, ow), false, true).reshape([n, c, h, ow]);
+    const rowsFirst = tf.transpose(cols, [0, 1, 3, 2]).reshape([-1, h]);
+    const rows = tf.matMul(rowsFirst, adaptiveMatrix(h, oh), false, true).reshape([n, c, ow, oh]);
+    return tf.transpose(rows, [0, 1, 3, 2]);
+  }
+
+  // ---- normalization ------------------------------------------------------------------------------
+  function batchNorm([x, w, b, runMean, runVar], a, ctx) {
+    const eps = attr(a, "eps", 1e-5), momentum = attr(a, "momentum", 0.1);
+    const axes = x.shape.map((_, i) => i).filter((i) => i !== 1);
+    const shape = channelShape(x);
+    let mean = runMean, variance = runVar;
+    if (ctx.training || !runMean) {
+      ({ mean, variance } = tf.moments(x, axes));
+      if (ctx.training && runMean) {
+        const n = x.size / x.shape[1];
+        // torch stores the unbiased batch variance in running_var, but normalizes with the biased one.
+        ctx.update(ctx.node.inputs[3], tf.add(tf.mul(runMean, 1 - momentum), tf.mul(mean, momentum)));
+        ctx.update(ctx.node.inputs[4],
+          tf.add(tf.mul(runVar, 1 - momentum), tf.mul(variance, (momentum * n) / Math.max(n - 1, 1))));
+      }
+    }
+    let y = tf.mul(tf.sub(x, mean.reshape(shape)), tf.rsqrt(tf.add(variance, eps)).reshape(shape));
+    if (w) y = tf.mul(y, w.reshape(shape));
+    if (b) y = tf.add(y, b.reshape(shape));
+    return y;
+  }
+
+  function layerNorm([x, w, b], a) {
+    const count = attr(a, "normalized_shape", [x.shape[x.rank - 1]]).length;
+    const axes = x.shape.map((_, i) => i).slice(x.rank - count);
+    const { mean, variance } = tf.moments(x, axes, true);
+    let y = tf.mul(tf.sub(x, mean), tf.rsqrt(tf.add(variance, attr(a, "eps", 1e-5))));
+    if (w) y = tf.mul(y, w);
+    if (b) y = tf.add(y, b);
+    return y;
+  }
+
+  // ---- shape ops ----------------------------------------------------------------------------------
+  function flatten([x], a) {
+    const start = axis(attr(a, "start_dim", 1), x.rank), end = axis(attr(a, "end_dim", -1), x.rank);
+    const s = x.shape;
+    return x.reshape([...s.slice(0, start), prod(s.slice(start, end + 1)), ...s.slice(end + 1)]);
+  }
+
+  function transpose([x], a) {
+    const perm = x.shape.map((_, i) => i);
+    const d0 = axis(a.dim0, x.rank), d1 = axis(a.dim1, x.rank);
+    [perm[d0], perm[d1]] = [perm[d1], perm[d0]];
+    return tf.transpose(x, perm);
+  }
+
+  function split([x], a) {
+    const d = axis(a.dim, x.rank);
+    const begin = x.shape.map((_, i) => (i === d ? a.start : 0));
+    const size = x.shape.map((s, i) => (i === d ? a.length : -1));
+    return tf.slice(x, begin, size);
+  }
+
+  // torch.matmul semantics: 1-D operands are promoted and squeezed; batch dims broadcast. Broadcasting
+  // is made explicit (broadcastTo) so the gradient sums over broadcast dims correctly.
+  function matmul([a, b]) {
+    if (a.rank === 1 && b.rank === 1) return tf.sum(tf.mul(a, b));
+    if (a.rank === 1) return tf.squeeze(matmul([tf.expandDims(a, 0), b]), [-2]);
+    if (b.rank === 1) return tf.squeeze(matmul([a, tf.expandDims(b, 1)]), [-1]);
+    if (b.rank === 2) { // the common x @ W: one big 2-D product
+      const y = tf.matMul(a.reshape([-1, a.shape[a.rank - 1]]), b);
+      return y.reshape([...a.shape.slice(0, -1), b.shape[1]]);
+    }
+    const batch = broadcastShape(a.shape.slice(0, -2), b.shape.slice(0, -2));
+    const a2 = batchTo(a, batch), b2 = batchTo(b, batch);
+    return tf.matMul(a2, b2);
+  }
+
+  function broadcastShape(s1, s2) {
+    const n = Math.max(s1.length, s2.length);
+    const p1 = Array(n - s1.length).fill(1).concat(s1), p2 = Array(n - s2.length).fill(1).concat(s2);
+    return p1.map((d, i) => Math.max(d, p2[i]));
+  }
+
+  function batchTo(t, batch) {
+    const target = [...batch, ...t.shape.slice(-2)];
+    return target.every((d, i) => d === t.shape[i]) && t.rank === target.length ? t : tf.broadcastTo(t, target);
+  }
+
+  // ---- activations, attention ----------------------------------------------------------------------
+  function logSoftmax(x, dim) {
+    return tf.sub(x, tf.logSumExp(x, axis(dim, x.rank), true));
+  }
+
+  function softmax(x, dim) {
+    return axis(dim, x.rank) === x.rank - 1 ? tf.softmax(x) : tf.exp(logSoftmax(x, dim));
+  }
+
+  function gelu([x], a) {
+    if (attr(a, "approximate", "none") === "tanh") {
+      const inner = tf.mul(tf.add(x, tf.mul(tf.pow(x, 3), 0.044715)), Math.sqrt(2 / Math.PI));
+      return tf.mul(tf.mul(x, 0.5), tf.add(tf.tanh(inner), 1));
+    }
+    return tf.mul(tf.mul(x, 0.5), tf.add(tf.erf(tf.mul(x, Math.SQRT1_2)), 1));
+  }
+
+  function causalMask(l, s) {
+    const m = new Float32Array(l * s);
+    for (let i = 0; i < l; i++) for (let j = i + 1; j < s; j++) m[i * s + j] = -1e9; // exp() underflows to 0
+    return tf.tensor2d(m, [l, s]);
+  }
+
+  function attention([q, k, v], a) {
+    const e = q.shape[q.rank - 1], l = q.shape[q.rank - 2], s = k.shape[k.rank - 2];
+    let scores = tf.mul(matmul([q, tf.transpose(k, transposeLast(k.rank))]), 1 / Math.sqrt(e));
+    if (attr(a, "is_causal", false)) scores = tf.add(scores, causalMask(l, s));
+    return matmul([tf.softmax(scores), v]);
+  }
+
+  function transposeLast(rank) {
+    const perm = [...Array(rank).keys()];
+    [perm[rank - 1], perm[rank - 2]] = [perm[rank - 2], perm[rank - 1]];
+    return perm;
+  }
+
+  function embedding([ids, w]) {
+    const flat = tf.gather(w, ids.reshape([-1]).toInt());
+    return flat.reshape([...ids.shape, w.shape[1]]);
+  }
+
+  // ---- op table -----------------------------------------------------------------------------------
+  const OPS = {
+    linear: ([x, w, b]) => {
+      let y = tf.matMul(x.reshape([-1, w.shape[1]]), w, false, true);
+      if (b) y = tf.add(y, b);
+      return y.reshape([...x.shape.slice(0, -1), w.shape[0]]);
+    },
+    conv2d,
+    batch_norm: batchNorm,
+    layer_norm: layerNorm,
+    embedding,
+    relu: ([x]) => tf.relu(x),
+    tanh: ([x]) => tf.tanh(x),
+    sigmoid: ([x]) => tf.sigmoid(x),
+    gelu,
+    softmax: ([x], a) => softmax(x, attr(a, "dim", -1)),
+    log_softmax: ([x], a) => logSoftmax(x, attr(a, "dim", -1)),
+    dropout: ([x], a, ctx) => (ctx.training && attr(a, "p", 0.5) > 0 ? tf.dropout(x, attr(a, "p", 0.5)) : x),
+    max_pool2d: pool2d("max"),
+    avg_pool2d: pool2d("avg"),
+    adaptive_avg_pool2d: adaptiveAvgPool2d,
+    flatten,
+    reshape: ([x], a) => x.reshape(a.shape),
+    permute: ([x], a) => tf.transpose(x, a.dims.map((d) => axis(d, x.rank))),
+    transpose,
+    add: ([p, q]) => tf.add(p, q),
+    sub: ([p, q]) => tf.sub(p, q),
+    mul: ([p, q]) => tf.mul(p, q),
+    div: ([p, q]) => tf.div(p, q),
+    scale: ([x], a) => tf.mul(x, a.factor),
+    matmul,
+    concat: (xs, a) => tf.concat(xs, axis(attr(a, "dim", 0), xs[0].rank)),
+    split,
+    scaled_dot_product_attention: attention,
+    arange_embedding: ([x, w]) => tf.slice(w, [0, 0], [x.shape[1], -1]),
+  };
+
+  // Class dim is last: logits [N,C] with targets [N], or [N,T,C] with [N,T]; mean over all positions.
+  function crossEntropy([logits, target]) {
+    const c = logits.shape[logits.rank - 1];
+    const logp = logSoftmax(logits.reshape([-1, c]), 1);
+    const picked = tf.sum(tf.mul(logp, tf.oneHot(target.reshape([-1]).toInt(), c)), 1);
+    return tf.neg(tf.mean(picked));
+  }
+
+  const LOSSES = {
+    cross_entropy: crossEntropy,
+    mse: ([pred, target]) => tf.mean(tf.squaredDifference(pred, target)),
+  };
+
+  // ---- model: params as trainable variables, buffers as non-trainable ones -----------------------
+  function tensorFor(spec, weights, kind) {
+    const w = weights[spec.name];
+    if (!w) throw new Error(`weights: missing ${kind} ${spec.name}`);
+    if (w.shape.length !== spec.shape.length || w.shape.some((d, i) => d !== spec.shape[i])) {
+      throw new Error(`weights: ${spec.name} has shape [${w.shape}], graph says [${spec.shape}]`);
+    }
+    return tf.tensor(w.data, spec.shape, "float32");
+  }
+
+  function makeVariables(specs, weights, kind, trainable) {
+    const vars = {};
+    for (const spec of specs) {
+      const init = tensorFor(spec, weights, kind);
+      vars[spec.name] = tf.variable(init, trainable); // auto names: tf.variable names are global
+      init.dispose();
+    }
+    return vars;
+  }
+
+  function assignAll(vars, specs, weights, kind) {
+    for (const spec of specs) {
+      const value = tensorFor(spec, weights, kind);
+      vars[spec.name].assign(value);
+      value.dispose();
+    }
+  }
+
+  // weights: decoded safetensors {name: {shape, data}} (codecs.decode).
+  function createModel(graph, weights) {
+    const params = makeVariables(graph.params, weights, "param", true);
+    const buffers = makeVariables(graph.buffers || [], weights, "buffer", false);
+    return {
+      graph, params, buffers,
+      setWeights(next) {
+        assignAll(params, graph.params, next, "param");
+        assignAll(buffers, graph.buffers || [], next, "buffer");
+      },
+      dispose() { for (const v of [...Object.values(params), ...Object.values(buffers)]) v.dispose(); },
+    };
+  }
+
+  // ---- execution -------------------------------------------------------------------------------------
+  // feeds: {name: tf.Tensor} for graph inputs and (optionally) targets. Returns {output, loss, updates}
+  // where updates are new buffer values the caller applies (see applyUpdates) once gradients are done.
+  function run(model, feeds, training) {
+    const env = new Map([...Object.entries(model.params), ...Object.entries(model.buffers), ...Object.entries(feeds)]);
+    const updates = [];
+    for (const node of model.graph.nodes) {
+      const args = node.inputs.map((name) => (name === null ? null : env.get(name)));
+      const ctx = { training, node, update: (name, value) => updates.push([name, value]) };
+      env.set(node.name, OPS[node.op](args, node.attrs || {}, ctx));
+    }
+    const lossSpec = model.graph.loss;
+    const haveTargets = lossSpec && lossSpec.inputs.every((name) => env.has(name));
+    const loss = haveTargets ? LOSSES[lossSpec.op](lossSpec.inputs.map((n) => env.get(n)), lossSpec.attrs || {}) : null;
+    return { output: env.get(model.graph.output), loss, updates };
+  }
+
+  function applyUpdates(model, updates) {
+    for (const [name, value] of updates) {
+      model.buffers[name].assign(value); // the variable now shares value's data; disposing value is safe
+      value.dispose();
+    }
+  }
+
+  // Forward pass (and loss when targets are fed). Returned tensors belong to the caller.
+  function forward(model, feeds, { training = false } = {}) {
+    let updates = [];
+    const result = tf.tidy(() => {
+      const r = run(model, feeds, training);
+      updates = r.updates;
+      updates.forEach(([, t]) => tf.keep(t));
+      return r.loss ? { output: r.output, loss: r.loss } : { output: r.output };
+    });
+    applyUpdates(model, updates);
+    return result;
+  }
+
+  // Gradient of the mean loss w.r.t. every param: {loss: scalar tf.Tensor, grads: {name: tf.Tensor}}.
+  // Params the loss does not reach get zeros, like torch's grads after zero_grad.
+  function gradients(model, feeds, { training = true } = {}) {
+    const names = Object.keys(model.params);
+    const vars = names.map((n) => model.params[n]);
+    let updates = [];
+    const { value, grads } = tf.variableGrads(() => {
+      const r = run(model, feeds, training);
+      if (!r.loss) throw new Error("gradients need the graph's loss and its targets");
+      updates = r.updates.map(([name, t]) => [name, tf.keep(t)]); // f runs inside a tidy
+      return r.loss;
+    }, vars);
+    applyUpdates(model, updates);
+    const named = {};
+    names.forEach((n, i) => { named[n] = grads[vars[i].name] || tf.zerosLike(vars[i]); });
+    return { loss: value, grads: named };
+  }
+
+  ns.runtime = { createModel, forward, gradients, OPS, LOSSES };
+})((self.crowdtrain = self.crowdtrain || {}));

@@ -1,0 +1,235 @@
+// The Contribute page: runs worker.js and speaks docs/protocol.md over /ws/volunteer/.
+// One work unit at a time: `ready` is sent only when the worker is idle.
+(function () {
+  "use strict";
+
+  const app = document.getElementById("contribute-app");
+  if (!app) return;
+  const $ = (id) => document.getElementById(id);
+  const WORKER_URL = app.dataset.workerUrl || "/static/frontend/worker.js";
+  const SOCKET_PATH = app.dataset.socketPath || "/ws/volunteer/";
+  const SOCKET_URL = app.dataset.socketUrl; // optional absolute ws(s):// URL (separate WebSocket host)
+  const BACKOFF_MS = [1000, 2000, 5000, 10000, 30000];
+  const LOG_LINES = 60;
+  const FLOP_UNITS = ["FLOP", "kFLOP", "MFLOP", "GFLOP", "TFLOP", "PFLOP", "EFLOP", "ZFLOP", "YFLOP"];
+
+  let s = freshState();
+
+  function freshState() {
+    return {
+      running: false, worker: null, socket: null, device: null, retries: 0, reconnectTimer: null,
+      current: null, // id of the work unit the worker is computing
+      cancelled: new Set(), // ids whose late results must be dropped
+      outbox: null, // a finished result waiting for the socket to come back
+      done: 0, rate: 0,
+    };
+  }
+
+  // ---- display ---------------------------------------------------------------------------------
+  // Same rule as the server's `flops` filter: 3 significant digits, SI prefixes.
+  function formatFlops(value) {
+    let n = Math.abs(value), unit = 0;
+    while (unit < FLOP_UNITS.length - 1 && Number(n.toPrecision(3)) >= 1000) { n /= 1000; unit++; }
+    const digits = n >= 1000 ? Math.round(n).toLocaleString("en-US") : String(Number(n.toPrecision(3)));
+    return `${value < 0 ? "-" : ""}${digits} ${FLOP_UNITS[unit]}`;
+  }
+
+  function setCredit(flops) {
+    const el = $("credit");
+    el.dataset.flops = BigInt(Math.round(flops)).toString(); // no 1e+21 notation for big totals
+    el.textContent = formatFlops(flops);
+  }
+
+  function setStatus(text, state) {
+    $("status").textContent = text;
+    $("status-dot").dataset.state = state || "idle";
+  }
+
+  function log(text, isError) {
+    const li = document.createElement("li");
+    const time = document.createElement("time");
+    time.textContent = new Date().toLocaleTimeString();
+    li.append(time, text);
+    if (isError) li.className = "ct-log-error";
+    const list = $("log");
+    list.prepend(li);
+    while (list.children.length > LOG_LINES) list.lastChild.remove();
+  }
+
+  function setRunning(running) {
+    $("contribute").disabled = running;
+    $("stop").disabled = !running;
+  }
+
+  // Exponential moving average of samples per second of (download + compute) time.
+  function updateRate(msg) {
+    const seconds = (msg.timings.download_ms + msg.timings.compute_ms) / 1000;
+    if (seconds <= 0) return;
+    const now = msg.samples / seconds;
+    s.rate = s.rate ? 0.7 * s.rate + 0.3 * now : now;
+    $("samples-per-second").textContent = s.rate >= 100 ? Math.round(s.rate).toString() : s.rate.toFixed(1);
+  }
+
+  // ---- socket ------------------------------------------------------------------------------------
+  function send(msg) {
+    if (s.socket && s.socket.readyState === WebSocket.OPEN) { s.socket.send(JSON.stringify(msg)); return true; }
+    return false;
+  }
+
+  function askForWork() {
+    if (s.running && s.current === null && !s.outbox) send({ type: "ready" });
+  }
+
+  function connect() {
+    const scheme = location.protocol === "https:" ? "wss" : "ws";
+    const socket = new WebSocket(SOCKET_URL || `${scheme}://${location.host}${SOCKET_PATH}`);
+    socket.binaryType = "arraybuffer";
+    s.socket = socket;
+    socket.onopen = () => {
+      s.retries = 0;
+      send({ type: "hello", protocol: 1, device: s.device });
+      flushOutbox();
+      askForWork();
+      setStatus("Connected, asking for work…", "waiting");
+    };
+    socket.onmessage = (event) => {
+      if (typeof event.data !== "string") return; // the server sends no binary frames to volunteers
+      try { onServerMessage(JSON.parse(event.data)); } catch (err) { log(`bad server message: ${err.message}`, true); }
+    };
+    socket.onclose = () => { if (s.socket === socket) reconnectLater(); };
+  }
+
+  function reconnectLater() {
+    s.socket = null;
+    if (!s.running) return;
+    const delay = BACKOFF_MS[Math.min(s.retries, BACKOFF_MS.length - 1)] * (0.75 + Math.random() / 2);
+    s.retries++;
+    setStatus(`Connection lost, retrying in ${Math.round(delay / 1000)} s…`, "error");
+    s.reconnectTimer = setTimeout(connect, delay);
+  }
+
+  // The JSON frame and its binary frame must be adjacent, so both go out together or not at all.
+  function flushOutbox() {
+    const msg = s.outbox;
+    if (!msg || !s.socket || s.socket.readyState !== WebSocket.OPEN) return;
+    const { bytes, type, ...fields } = msg;
+    send({ type: "result", ...fields });
+    s.socket.send(bytes);
+    s.outbox = null;
+  }
+
+  const handlers = {
+    welcome(msg) {
+      if (msg.volunteer) setCredit(msg.volunteer.credit_flops || 0);
+      log(`connected as ${msg.volunteer ? msg.volunteer.username : "volunteer"}`);
+    },
+    assign(msg) {
+      const wu = msg.work_unit;
+      s.current = wu.id;
+      $("project").textContent = wu.project.name;
+      const samples = wu.shards.reduce((n, shard) => n + shard.count, 0);
+      setStatus(`Training ${wu.project.name}: ${samples} samples…`, "working");
+      s.worker.postMessage({ cmd: "compute", assign: wu });
+    },
+    cancel(msg) {
+      for (const id of msg.work_units) {
+        if (id !== s.current) continue;
+        s.cancelled.add(id);
+        s.worker.postMessage({ cmd: "cancel", work_unit: id });
+        s.current = null;
+        log(`work unit ${id} cancelled (${msg.reason || "no reason"})`);
+      }
+      askForWork();
+    },
+    ack(msg) {
+      if (msg.accepted) {
+        s.done++;
+        $("work-units-done").textContent = String(s.done);
+        log(`work unit ${msg.work_unit} accepted: +${formatFlops(msg.credit_flops || 0)}`);
+      } else {
+        log(`work unit ${msg.work_unit} rejected: ${msg.reason || "no reason"}`, true);
+      }
+      if (msg.total_credit_flops !== undefined) setCredit(msg.total_credit_flops);
+    },
+    idle() {
+      if (s.current === null) setStatus("Waiting for work…", "waiting");
+    },
+    error(msg) {
+      log(`server error ${msg.code}: ${msg.message}`, true);
+    },
+  };
+
+  function onServerMessage(msg) {
+    const handler = handlers[msg.type];
+    if (handler) handler(msg);
+    else log(`unknown message type ${msg.type}`, true);
+  }
+
+  // ---- worker ------------------------------------------------------------------------------------
+  function onWorkerMessage(event) {
+    const msg = event.data;
+    if (msg.type === "ready") {
+      s.device = { backend: msg.backend, gflops: msg.gflops, user_agent: navigator.userAgent };
+      $("backend").textContent = `${msg.backend} · ${msg.gflops} GFLOP/s`;
+      log(`engine ready on ${msg.backend} (${msg.gflops} GFLOP/s)`);
+      setStatus("Connecting…", "waiting");
+      connect();
+    } else if (msg.type === "init_failed") {
+      log(`could not start the engine: ${msg.error}`, true);
+      stop();
+      setStatus("This browser cannot run the engine.", "error");
+    } else if (s.cancelled.delete(msg.work_unit)) {
+      // Late result (or skip notice) of cancelled work: drop it. `ready` already went out at cancel time.
+    } else if (msg.type === "result") {
+      onResult(msg);
+    } else if (msg.type === "failed") {
+      log(`work unit ${msg.work_unit} failed: ${msg.error}`, true);
+      s.current = null;
+      setTimeout(askForWork, 2000); // don't spin if every unit fails the same way
+    }
+  }
+
+  function onResult(msg) {
+    s.current = null;
+    updateRate(msg);
+    log(`work unit ${msg.work_unit}: ${msg.samples} samples, loss ${msg.loss.toFixed(4)}, ` +
+      `${msg.timings.compute_ms} ms compute, ${msg.timings.download_ms} ms download`);
+    s.outbox = msg;
+    flushOutbox();
+    askForWork();
+  }
+
+  // ---- start / stop --------------------------------------------------------------------------------
+  function start() {
+    if (s.running) return;
+    s = freshState();
+    s.running = true;
+    setRunning(true);
+    setStatus("Starting the engine (benchmarking your device)…", "waiting");
+    s.worker = new Worker(WORKER_URL);
+    s.worker.onmessage = onWorkerMessage;
+    s.worker.onerror = (event) => { log(`engine crashed: ${event.message}`, true); stop(); };
+    s.worker.postMessage({ cmd: "init" });
+  }
+
+  function stop() {
+    if (!s.running) return;
+    s.running = false;
+    clearTimeout(s.reconnectTimer);
+    if (s.socket) {
+      send({ type: "bye" });
+      const socket = s.socket;
+      s.socket = null;
+      socket.close(1000, "bye");
+    }
+    if (s.worker) s.worker.terminate();
+    s.worker = null;
+    setRunning(false);
+    setStatus("Stopped.", "idle");
+    log("stopped");
+  }
+
+  $("contribute").addEventListener("click", start);
+  $("stop").addEventListener("click", stop);
+  window.addEventListener("pagehide", stop);
+})();

@@ -1,0 +1,231 @@
+// Crowdtrain compute worker (classic Web Worker). The page talks to it with postMessage:
+//   page -> worker  {cmd: "init", backends?: [..preference order..]}
+//                   {cmd: "compute", assign: <work_unit of the protocol's `assign` message>}
+//                   {cmd: "cancel", work_unit}
+//   worker -> page  {type: "ready", backend, gflops}
+//                   {type: "result", work_unit, model_version, samples, loss,
+//                    timings: {download_ms, compute_ms}, bytes: ArrayBuffer (transferred)}
+//                   {type: "failed", work_unit, error}   {type: "cancelled", work_unit}
+//                   {type: "init_failed", error}
+"use strict";
+
+const VENDOR = "/static/vendor/";
+const ENGINE = "/static/engine/";
+importScripts(`${VENDOR}tf.min.js`);
+// Optional backends: a browser without one must still get webgl/cpu.
+for (const script of ["tf-backend-wasm.min.js", "tf-backend-webgpu.min.js"]) {
+  try { importScripts(VENDOR + script); } catch (err) { console.warn(`could not load ${script}`, err); }
+}
+importScripts(`${ENGINE}codecs.js`, `${ENGINE}graph.js`, `${ENGINE}runtime.js`, `${ENGINE}optim.js`, `${ENGINE}train.js`);
+
+const ct = self.crowdtrain;
+const CACHE_BUDGET_BYTES = 768 * 1024 * 1024; // decoded graphs/weights/shards kept by URL
+// TF.js's WASM backend lacks some gradient kernels (Conv2DBackpropFilter, MaxPoolGrad,
+// UnsortedSegmentSum for embeddings); graphs using them train on the CPU backend there.
+const WASM_UNTRAINABLE_OPS = ["conv2d", "max_pool2d", "avg_pool2d", "embedding"];
+
+let chosenBackend = null; // picked at init
+let current = null; // {graphUrl, weightsUrl, backend, model}
+const cancelled = new Set();
+const cpuGraphs = new Set(); // graph URLs that hit a missing WASM kernel at run time
+let queue = Promise.resolve(); // computes run one after another
+
+// ---- backend selection ------------------------------------------------------------------------
+async function usable(name) {
+  if (name === "webgl") {
+    if (typeof OffscreenCanvas === "undefined") return false;
+    return !!new OffscreenCanvas(1, 1).getContext("webgl2");
+  }
+  if (name === "webgpu") return !!(self.navigator && navigator.gpu && (await navigator.gpu.requestAdapter()));
+  if (name === "wasm") {
+    if (!tf.wasm) return false;
+    tf.wasm.setWasmPaths(VENDOR);
+  }
+  return true;
+}
+
+async function pickBackend(order) {
+  for (const name of order) {
+    try {
+      if (!(await usable(name)) || !(await tf.setBackend(name))) continue;
+      await tf.ready();
+      // Gradients in half-float textures are useless; such GPUs get the next backend.
+      if (name === "webgl" && !tf.env().getBool("WEBGL_RENDER_FLOAT32_CAPABLE")) continue;
+      return name;
+    } catch (err) {
+      console.warn(`backend ${name} unavailable`, err);
+    }
+  }
+  throw new Error("no TensorFlow.js backend available");
+}
+
+// Matmul throughput, timed until ~200 ms have passed so slow devices finish quickly.
+async function benchmarkGflops() {
+  const n = tf.getBackend() === "cpu" ? 128 : 512;
+  const a = tf.randomNormal([n, n]), b = tf.randomNormal([n, n]);
+  const runs = async (reps) => {
+    const t0 = performance.now();
+    let c = tf.matMul(a, b);
+    for (let i = 1; i < reps; i++) { const next = tf.matMul(c, b); c.dispose(); c = next; }
+    await c.data(); // also the only sync point: WebGPU has no dataSync
+    c.dispose();
+    return performance.now() - t0;
+  };
+  await runs(1); // warm-up: shader compilation
+  let reps = 2, ms = await runs(reps);
+  while (ms < 200 && reps < 256) { reps *= 2; ms = await runs(reps); }
+  a.dispose(); b.dispose();
+  return Math.round(((2 * n ** 3 * reps) / (ms / 1000) / 1e9) * 100) / 100;
+}
+
+// ---- downloads (content-addressed URLs never change, so cache by URL) -----------------------
+const cache = new Map(); // url -> {promise, bytes}; Map order = least recently used first
+
+function evict() {
+  let total = 0;
+  for (const e of cache.values()) total += e.bytes;
+  for (const [url, e] of cache) {
+    if (total <= CACHE_BUDGET_BYTES) break;
+    if (!e.bytes) continue; // still downloading
+    cache.delete(url);
+    total -= e.bytes;
+  }
+}
+
+async function fetchBytes(url) {
+  const response = await fetch(url, { credentials: "same-origin" });
+  if (!response.ok) throw new Error(`GET ${url}: HTTP ${response.status}`);
+  return response.arrayBuffer();
+}
+
+function cached(url, decode) {
+  let entry = cache.get(url);
+  if (entry) {
+    cache.delete(url);
+    cache.set(url, entry);
+    return entry.promise;
+  }
+  entry = { bytes: 0 };
+  entry.promise = fetchBytes(url).then((buf) => {
+    entry.bytes = buf.byteLength;
+    evict();
+    return decode(buf);
+  });
+  entry.promise.catch(() => cache.delete(url));
+  cache.set(url, entry);
+  return entry.promise;
+}
+
+// ---- slices and models ----------------------------------------------------------------------
+function rowsOf(t, offset, count) {
+  const per = t.shape.slice(1).reduce((a, b) => a * b, 1);
+  if (offset < 0 || offset + count > t.shape[0]) throw new Error(`slice [${offset}, ${offset + count}) out of range`);
+  return t.data.subarray(offset * per, (offset + count) * per);
+}
+
+// Concatenates [offset, offset+count) of every shard's `key` tensor into one {shape, data}.
+function gather(shards, parts, key) {
+  const first = shards[0][key];
+  const chunks = parts.map((p, i) => rowsOf(shards[i][key], p.offset, p.count));
+  const total = parts.reduce((n, p) => n + p.count, 0);
+  let data = chunks[0];
+  if (chunks.length > 1) {
+    data = new first.data.constructor(chunks.reduce((n, c) => n + c.length, 0));
+    let pos = 0;
+    for (const c of chunks) { data.set(c, pos); pos += c.length; }
+  }
+  return { shape: [total, ...first.shape.slice(1)], data };
+}
+
+async function backendFor(graph, graphUrl) {
+  const wasmCannot = ct.graph.hasOp(graph, WASM_UNTRAINABLE_OPS) || cpuGraphs.has(graphUrl);
+  const want = chosenBackend === "wasm" && wasmCannot ? "cpu" : chosenBackend;
+  if (tf.getBackend() !== want) {
+    if (current) { current.model.dispose(); current = null; } // variables live on the old backend
+    await tf.setBackend(want);
+  }
+  return want;
+}
+
+async function modelFor(assign, graph, weights) {
+  const backend = await backendFor(graph, assign.graph_url);
+  if (current && current.graphUrl === assign.graph_url && current.backend === backend) {
+    if (current.weightsUrl !== assign.weights_url) current.model.setWeights(weights);
+  } else {
+    if (current) current.model.dispose();
+    current = { graphUrl: assign.graph_url, backend, model: ct.runtime.createModel(graph, weights) };
+  }
+  current.weightsUrl = assign.weights_url;
+  return current.model;
+}
+
+async function download(assign) {
+  const t0 = performance.now();
+  const [graph, weights, ...shards] = await Promise.all([
+    cached(assign.graph_url, (buf) => ct.graph.load(buf)),
+    cached(assign.weights_url, (buf) => ct.codecs.decode(buf)),
+    ...assign.shards.map((s) => cached(s.url, (buf) => ct.codecs.decode(buf))),
+  ]);
+  return { graph, weights, shards, ms: performance.now() - t0 };
+}
+
+async function gradients(assign, d) {
+  const model = await modelFor(assign, d.graph, d.weights);
+  const x = gather(d.shards, assign.shards, "x");
+  const y = gather(d.shards, assign.shards, "y");
+  return ct.train.sliceGradients(model, x, y, {
+    batchSize: Math.max(1, assign.batch_size || x.shape[0]), codec: assign.codec || "fp32",
+  });
+}
+
+// A kernel missing on WASM shows up only when the graph runs: retry that graph on the CPU backend.
+async function gradientsWithFallback(assign, d) {
+  try {
+    return await gradients(assign, d);
+  } catch (err) {
+    const missingKernel = /not registered for backend 'wasm'/.test(String(err && err.message));
+    if (!missingKernel || cpuGraphs.has(assign.graph_url)) throw err;
+    cpuGraphs.add(assign.graph_url);
+    return gradients(assign, d);
+  }
+}
+
+async function compute(assign) {
+  const d = await download(assign);
+  const t0 = performance.now();
+  const r = await gradientsWithFallback(assign, d);
+  const bytes = r.grads.buffer.byteLength === r.grads.byteLength ? r.grads.buffer : r.grads.slice().buffer;
+  return {
+    type: "result", work_unit: assign.id, model_version: assign.model_version, samples: r.samples, loss: r.loss,
+    timings: { download_ms: Math.round(d.ms), compute_ms: Math.round(performance.now() - t0) }, bytes,
+  };
+}
+
+async function runCompute(assign) {
+  if (cancelled.delete(assign.id)) { self.postMessage({ type: "cancelled", work_unit: assign.id }); return; }
+  try {
+    const result = await compute(assign);
+    self.postMessage(result, [result.bytes]);
+  } catch (err) {
+    self.postMessage({ type: "failed", work_unit: assign.id, error: String((err && err.message) || err) });
+  }
+}
+
+// ---- messages -----------------------------------------------------------------------------------
+self.onmessage = (event) => {
+  const msg = event.data || {};
+  if (msg.cmd === "init") {
+    queue = queue.then(async () => {
+      try {
+        chosenBackend = await pickBackend(msg.backends || ["webgl", "webgpu", "wasm", "cpu"]);
+        self.postMessage({ type: "ready", backend: chosenBackend, gflops: await benchmarkGflops() });
+      } catch (err) {
+        self.postMessage({ type: "init_failed", error: String((err && err.message) || err) });
+      }
+    });
+  } else if (msg.cmd === "compute") {
+    queue = queue.then(() => runCompute(msg.assign));
+  } else if (msg.cmd === "cancel") {
+    cancelled.add(msg.work_unit); // only skips work not yet started; the page drops late results
+  }
+};

@@ -1,0 +1,55 @@
+#!/bin/sh
+# Container entry point. Roles:
+#   web      wait for the database, migrate, collectstatic, then serve HTTP + WebSockets with daphne
+#   worker   a Celery worker (aggregation, evaluation, feeding work units)
+#   beat     the Celery beat scheduler
+#   migrate  apply database migrations and exit
+# Anything else is run as a command, e.g. `docker compose run --rm web manage.py createsuperuser`.
+set -eu
+cd /app
+
+wait_for_db() {
+    python - <<'PY'
+import os, sys, time
+import django
+os.environ.setdefault("DJANGO_SETTINGS_MODULE", "crowdtrain.settings")
+django.setup()
+from django.db import connection
+for attempt in range(60):
+    try:
+        connection.ensure_connection()
+        sys.exit(0)
+    except Exception as exc:  # noqa: BLE001 - any failure means "not yet"
+        print(f"waiting for the database ({exc.__class__.__name__})...", flush=True)
+        time.sleep(2)
+sys.exit("the database did not become reachable in 2 minutes")
+PY
+}
+
+role="${1:-web}"
+case "$role" in
+    web)
+        wait_for_db
+        python manage.py migrate --noinput
+        python manage.py collectstatic --noinput
+        exec daphne --proxy-headers -b 0.0.0.0 -p "${PORT:-8000}" crowdtrain.asgi:application
+        ;;
+    worker)
+        wait_for_db
+        exec celery -A crowdtrain worker --concurrency "${CELERY_CONCURRENCY:-1}" -l "${CELERY_LOG_LEVEL:-info}"
+        ;;
+    beat)
+        exec celery -A crowdtrain beat -l "${CELERY_LOG_LEVEL:-info}" -s /app/var/beat/celerybeat-schedule
+        ;;
+    migrate)
+        wait_for_db
+        exec python manage.py migrate --noinput
+        ;;
+    manage.py)
+        shift
+        exec python manage.py "$@"
+        ;;
+    *)
+        exec "$@"
+        ;;
+esac

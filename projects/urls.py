@@ -1,0 +1,13 @@
+from django.urls import path
+
+from projects import views
+
+urlpatterns = [
+    path("blobs/<str:sha256>", views.blob_detail, name="blob"),
+    path("api/projects/", views.ProjectListApi.as_view(), name="api-projects"),
+    path(
+        "api/projects/<int:project_id>/metrics/",
+        views.ProjectMetricsApi.as_view(),
+        name="api-project-metrics",
+    ),
+]

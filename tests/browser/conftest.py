@@ -1,0 +1,108 @@
+"""Shared browser fixtures: one headless Chromium per session and a static file server.
+
+The server maps the URL layout Django uses (/static/<app files>, /static/vendor/<npm files>) plus
+/harness/ (test pages) and /blobs/ (a temp dir standing in for content-addressed blobs), so the
+engine scripts and worker.js run unmodified without Django.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Iterator
+from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+STATIC = ROOT / "frontend" / "static"
+VENDOR = ROOT / "frontend" / "vendor"
+HARNESS = Path(__file__).resolve().parent / "harness"
+
+CHROMIUM = "/usr/bin/chromium"
+CHROMIUM_ARGS = [
+    "--enable-unsafe-swiftshader", "--use-angle=swiftshader", "--no-sandbox",
+    "--disable-background-networking", "--disable-component-update", "--disable-sync", "--no-first-run",
+]
+LAVAPIPE_ICD = "/usr/share/vulkan/icd.d/lvp_icd.x86_64.json"
+
+
+def launch_options() -> dict[str, Any]:
+    """SwiftShader WebGL2 by default; CROWDTRAIN_ANGLE=vulkan uses lavapipe (faster where present)."""
+    args = list(CHROMIUM_ARGS)
+    env = dict(os.environ)
+    if os.environ.get("CROWDTRAIN_ANGLE") == "vulkan" and Path(LAVAPIPE_ICD).exists():
+        args[args.index("--use-angle=swiftshader")] = "--use-angle=vulkan"
+        env["VK_ICD_FILENAMES"] = LAVAPIPE_ICD
+    return {"executable_path": CHROMIUM, "args": args, "env": env, "headless": True}
+
+
+@pytest.fixture(scope="session")
+def browser() -> Iterator[Any]:
+    playwright_api = pytest.importorskip("playwright.sync_api")
+    if not Path(CHROMIUM).exists():
+        pytest.skip("chromium not installed")
+    with playwright_api.sync_playwright() as pw:
+        instance = pw.chromium.launch(**launch_options())
+        yield instance
+        instance.close()
+
+
+class _Handler(SimpleHTTPRequestHandler):
+    blob_dir: Path
+
+    def translate_path(self, path: str) -> str:
+        path = path.split("?", 1)[0].split("#", 1)[0]
+        for prefix, base in (("/static/vendor/", VENDOR), ("/static/", STATIC), ("/harness/", HARNESS),
+                             ("/blobs/", self.blob_dir)):
+            if path.startswith(prefix):
+                rel = Path(path[len(prefix):])
+                if ".." in rel.parts:
+                    return str(base / "__forbidden__")
+                return str(base / rel)
+        return str(HARNESS / "__missing__")
+
+    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - keep test output quiet
+        pass
+
+
+class StaticServer:
+    def __init__(self, blob_dir: Path) -> None:
+        self.blob_dir = blob_dir
+        handler = type("Handler", (_Handler,), {"blob_dir": blob_dir})
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+
+    def put_blob(self, name: str, data: bytes) -> str:
+        (self.blob_dir / name).write_bytes(data)
+        return f"/blobs/{name}"
+
+
+@pytest.fixture(scope="session")
+def static_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[StaticServer]:
+    if not (VENDOR / "tf.min.js").exists():
+        pytest.skip("frontend/vendor missing: run scripts/vendor_static.py")
+    server = StaticServer(tmp_path_factory.mktemp("blobs"))
+    server.thread.start()
+    yield server
+    server.httpd.shutdown()
+    server.httpd.server_close()
+
+
+@pytest.fixture(scope="session")
+def harness(browser: Any, static_server: StaticServer) -> Iterator[Any]:
+    """A page with TF.js and the engine scripts loaded; `harness` in the page is harness.js."""
+    context = browser.new_context()
+    page = context.new_page()
+    errors: list[str] = []
+    page.on("pageerror", lambda exc: errors.append(str(exc)))
+    page.goto(f"{static_server.url}/harness/index.html")
+    page.wait_for_function("() => self.harness && self.crowdtrain && self.crowdtrain.train")
+    yield page
+    context.close()
+    assert not errors, errors
+
+

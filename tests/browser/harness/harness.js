@@ -1,0 +1,136 @@
+// Test-only glue: Playwright passes graphs and safetensors (base64) in and reads safetensors back.
+"use strict";
+(function () {
+  const ct = self.crowdtrain;
+
+  function fromB64(s) {
+    const bin = atob(s);
+    const out = new Uint8Array(bin.length);
+    for (let i = 0; i < bin.length; i++) out[i] = bin.charCodeAt(i);
+    return out;
+  }
+
+  function toB64(bytes) {
+    let bin = "";
+    for (let i = 0; i < bytes.length; i += 0x8000) bin += String.fromCharCode.apply(null, bytes.subarray(i, i + 0x8000));
+    return btoa(bin);
+  }
+
+  async function useBackend(name) {
+    if (name === "wasm") tf.wasm.setWasmPaths("/static/vendor/");
+    if (!(await tf.setBackend(name))) throw new Error(`backend ${name} failed`);
+    await tf.ready();
+    return tf.getBackend();
+  }
+
+  function feedsFor(graph, batch) {
+    const feeds = {};
+    for (const spec of [...graph.inputs, ...graph.targets]) {
+      const t = batch[spec.name];
+      if (!t) continue;
+      const dtype = spec.dtype === "int64" ? "int32" : "float32";
+      feeds[spec.name] = tf.tensor(dtype === "int32" ? Int32Array.from(t.data) : t.data, t.shape, dtype);
+    }
+    return feeds;
+  }
+
+  async function tensorsToB64(named) {
+    const list = [];
+    for (const [name, t] of Object.entries(named)) list.push({ name, shape: t.shape, data: await t.data() });
+    return toB64(ct.codecs.encode(list, "fp32"));
+  }
+
+  // One train-mode step on a fresh model: output, loss, grads, buffers after the update.
+  async function gradients(graphJson, weightsB64, batchB64) {
+    const graph = ct.graph.load(graphJson);
+    const weights = ct.codecs.decode(fromB64(weightsB64));
+    const batch = ct.codecs.decode(fromB64(batchB64));
+    const model = ct.runtime.createModel(graph, weights);
+    const feeds = feedsFor(graph, batch);
+    try {
+      const g = ct.runtime.gradients(model, feeds, { training: true });
+      const grads = await tensorsToB64(g.grads);
+      const loss = (await g.loss.data())[0];
+      const buffers = await tensorsToB64(model.buffers);
+      tf.dispose([g.loss, ...Object.values(g.grads)]);
+      model.setWeights(weights); // forward from the same starting point as the gradient pass
+      const f = ct.runtime.forward(model, feeds, { training: true });
+      const output = await tensorsToB64({ output: f.output });
+      tf.dispose(Object.values(f));
+      return { grads, loss, buffers, output, backend: tf.getBackend() };
+    } finally {
+      tf.dispose(Object.values(feeds));
+      model.dispose();
+    }
+  }
+
+  // Slice gradients through train.js (mini-batches, codec): returns safetensors base64.
+  async function sliceGradients(graphJson, weightsB64, batchB64, batchSize, codec) {
+    const graph = ct.graph.load(graphJson);
+    const model = ct.runtime.createModel(graph, ct.codecs.decode(fromB64(weightsB64)));
+    const batch = ct.codecs.decode(fromB64(batchB64));
+    try {
+      const x = batch[graph.inputs[0].name], y = batch[graph.targets[0].name];
+      const r = await ct.train.sliceGradients(model, x, y, { batchSize, codec });
+      return { grads: toB64(r.grads), loss: r.loss, samples: r.samples };
+    } finally {
+      model.dispose();
+    }
+  }
+
+  // `steps` SGD/Adam steps; returns the tensor count after every step and the final params.
+  async function trainSteps(graphJson, weightsB64, batchB64, steps, optimizer, options) {
+    const graph = ct.graph.load(graphJson);
+    const model = ct.runtime.createModel(graph, ct.codecs.decode(fromB64(weightsB64)));
+    const batch = ct.codecs.decode(fromB64(batchB64));
+    const opt = new ct.optim[optimizer](model.params, options);
+    const counts = [];
+    const losses = [];
+    try {
+      for (let i = 0; i < steps; i++) {
+        const feeds = feedsFor(graph, batch);
+        const g = ct.runtime.gradients(model, feeds, { training: true });
+        opt.step(g.grads);
+        losses.push((await g.loss.data())[0]);
+        tf.dispose([g.loss, ...Object.values(g.grads), ...Object.values(feeds)]);
+        counts.push(tf.memory().numTensors);
+      }
+      return { counts, losses, params: await tensorsToB64(model.params), bytes: tf.memory().numBytes };
+    } finally {
+      opt.dispose();
+      model.dispose();
+    }
+  }
+
+  function encode(tensorsB64, codec, blockSize) {
+    const decoded = ct.codecs.decode(fromB64(tensorsB64));
+    return toB64(ct.codecs.encode(decoded, codec, { blockSize }));
+  }
+
+  function decode(bytesB64) {
+    return toB64(ct.codecs.encode(ct.codecs.decode(fromB64(bytesB64)), "fp32"));
+  }
+
+  // Runs worker.js as the page would: init, then each assign in turn; resolves with all its messages.
+  function workerCompute(backends, assigns) {
+    return new Promise((resolve, reject) => {
+      const worker = new Worker("/static/frontend/worker.js");
+      const log = [];
+      let next = 0;
+      const finish = (err) => { clearTimeout(timer); worker.terminate(); err ? reject(err) : resolve(log); };
+      const timer = setTimeout(() => finish(new Error("worker timeout")), 300000);
+      worker.onerror = (e) => finish(new Error(e.message));
+      worker.onmessage = (e) => {
+        const msg = e.data;
+        if (msg.bytes) msg.bytes = toB64(new Uint8Array(msg.bytes));
+        log.push(msg);
+        if (msg.type === "init_failed") return finish(new Error(msg.error));
+        if (next === assigns.length) return finish();
+        worker.postMessage({ cmd: "compute", assign: assigns[next++] });
+      };
+      worker.postMessage({ cmd: "init", backends });
+    });
+  }
+
+  self.harness = { useBackend, gradients, sliceGradients, trainSteps, encode, decode, workerCompute };
+})();

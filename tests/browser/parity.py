@@ -1,0 +1,87 @@
+"""Helpers shared by the browser tests: tensors in and out of the page, PyTorch references, errors."""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load as st_load
+from safetensors.torch import save as st_save
+
+from tests.browser.graphs import Graph, Tensors
+
+ARTIFACTS = Path(__file__).resolve().parents[2] / "test-artifacts"
+
+
+def b64(tensors: Tensors) -> str:
+    return base64.b64encode(st_save({k: v.contiguous() for k, v in tensors.items()})).decode()
+
+
+def unb64(text: str) -> bytes:
+    return base64.b64decode(text)
+
+
+def tensors_from_b64(text: str) -> Tensors:
+    return st_load(unb64(text))
+
+
+def split_batch(g: Graph, batch: Tensors) -> tuple[Tensors, Tensors]:
+    inputs = {s["name"]: batch[s["name"]] for s in g["inputs"]}
+    targets = {s["name"]: batch[s["name"]] for s in g["targets"]}
+    return inputs, targets
+
+
+def rel_error(got: torch.Tensor, want: torch.Tensor, floor: float = 1e-12) -> float:
+    """max |got - want| / max |want|: relative to the tensor's scale, so tiny entries don't dominate.
+    `floor` bounds the scale from below for tensors whose exact value is ~0."""
+    got, want = got.double().reshape(want.shape), want.double()
+    return float((got - want).abs().max() / want.abs().max().clamp_min(floor)) if want.numel() else 0.0
+
+
+def max_errors(got: Tensors, want: Tensors, floor: float = 1e-12) -> dict[str, float]:
+    assert set(got) == set(want), (sorted(got), sorted(want))
+    return {name: rel_error(got[name], want[name], floor) for name in want}
+
+
+def gradient_floor(grads: Tensors) -> float:
+    """1e-6 of the largest gradient anywhere: a gradient that is exactly zero in theory (e.g. attention
+    key biases, which softmax cancels) is compared against the model's gradient scale, not ~1e-19."""
+    return 1e-6 * max(float(t.abs().max()) for t in grads.values() if t.numel())
+
+
+def record(name: str, data: Any) -> None:
+    """Append a result line to test-artifacts/ (gitignored) so numbers can be reported."""
+    ARTIFACTS.mkdir(exist_ok=True)
+    with (ARTIFACTS / "browser-parity.jsonl").open("a") as handle:
+        handle.write(json.dumps({"test": name, **data}) + "\n")
+
+
+@contextlib.contextmanager
+def _float64_inputs() -> Iterator[None]:
+    """engine.runtime casts float inputs to float32; let them through as float64 for a reference."""
+    import engine.runtime as rt
+
+    original = rt._cast
+    rt._cast = lambda v, s: original(v, s).double() if s.dtype == "float32" else original(v, s)
+    try:
+        yield
+    finally:
+        rt._cast = original
+
+
+def float64_gradients(g: Graph, weights: Tensors, batch: Tensors) -> Tensors:
+    """The exact (float64) gradients: the yardstick for how accurate float32 PyTorch itself is."""
+    from engine.runtime import GraphModule
+
+    inputs, targets = split_batch(g, batch)
+    with _float64_inputs():
+        module = GraphModule(g).double()
+        module.load_state({k: v.double() for k, v in weights.items()})
+        module.train()
+        module.loss(module({**targets, **inputs}), targets).backward()
+    return {k: v.float() for k, v in module.grads().items()}

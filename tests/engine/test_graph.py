@@ -1,0 +1,186 @@
+"""Graph loading: the documented example, canonical JSON, and every validation rule."""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import json
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+
+from engine.graph import MAX_NODES, GraphError, graph_to_json, infer_shapes, load_graph
+from engine.runtime import GraphModule
+from tests.engine.conftest import exported, preset_batch
+
+DOC_EXAMPLE: dict[str, Any] = {
+    "format": "crowdtrain.graph",
+    "version": 1,
+    "name": "mlp",
+    "inputs": [{"name": "x", "shape": [-1, 784], "dtype": "float32"}],
+    "targets": [{"name": "y", "shape": [-1], "dtype": "int64"}],
+    "params": [
+        {"name": "fc1.weight", "shape": [128, 784], "dtype": "float32"},
+        {"name": "fc1.bias", "shape": [128], "dtype": "float32"},
+        {"name": "fc2.weight", "shape": [10, 128], "dtype": "float32"},
+        {"name": "fc2.bias", "shape": [10], "dtype": "float32"},
+    ],
+    "buffers": [],
+    "nodes": [
+        {"name": "fc1", "op": "linear", "inputs": ["x", "fc1.weight", "fc1.bias"], "attrs": {}},
+        {"name": "relu1", "op": "relu", "inputs": ["fc1"], "attrs": {}},
+        {"name": "fc2", "op": "linear", "inputs": ["relu1", "fc2.weight", "fc2.bias"], "attrs": {}},
+    ],
+    "output": "fc2",
+    "loss": {"op": "cross_entropy", "inputs": ["fc2", "y"], "attrs": {}},
+}
+
+
+def test_doc_example_loads_and_infers_shapes() -> None:
+    graph = load_graph(DOC_EXAMPLE)
+    assert [n.name for n in graph.nodes] == ["fc1", "relu1", "fc2"]
+    assert graph.param_count() == 784 * 128 + 128 + 128 * 10 + 10
+    shapes = infer_shapes(graph, batch=5)
+    assert shapes["fc1"] == (5, 128) and shapes["fc2"] == (5, 10) and shapes["y"] == (5,)
+
+
+def test_roundtrip_and_canonical_json() -> None:
+    graph = load_graph(DOC_EXAMPLE)
+    assert load_graph(graph.to_dict()) == graph
+    text = graph_to_json(graph)
+    assert load_graph(text) == graph and load_graph(text.decode()) == graph
+    shuffled = json.loads(text, object_pairs_hook=lambda kv: dict(reversed(kv)))
+    assert graph_to_json(load_graph(shuffled)) == text
+    assert text == json.dumps(json.loads(text), sort_keys=True, separators=(",", ":")).encode()
+
+
+def test_default_attrs_are_filled_in() -> None:
+    graph, _ = exported("cnn")
+    conv = next(n for n in load_graph(graph).nodes if n.op == "conv2d")
+    assert conv.attrs == {"stride": [1, 1], "padding": [1, 1], "dilation": [1, 1], "groups": 1}
+    pool = next(n for n in load_graph(graph).nodes if n.op == "max_pool2d")
+    assert pool.attrs["stride"] == pool.attrs["kernel_size"] == [2, 2]
+
+
+@pytest.mark.parametrize("name", ["mlp", "cnn", "resnet18", "gpt"])
+def test_inferred_output_shape_matches_runtime(name: str) -> None:
+    graph_dict, weights = exported(name)
+    graph = load_graph(graph_dict)
+    module = GraphModule(graph)
+    module.load_state(weights)
+    module.eval()
+    x, _ = preset_batch(name, batch=2)
+    with torch.no_grad():
+        out = module({"x": x})
+    assert infer_shapes(graph, batch=2)[graph.output] == tuple(out.shape)
+
+
+Mutation = Callable[[dict[str, Any]], None]
+
+
+def _set(path: list[Any], value: Any) -> Mutation:
+    def mutate(g: dict[str, Any]) -> None:
+        target: Any = g
+        for key in path[:-1]:
+            target = target[key]
+        target[path[-1]] = value
+    return mutate
+
+
+def _many_nodes(g: dict[str, Any]) -> None:
+    g["nodes"] += [{"name": f"r{i}", "op": "relu", "inputs": ["fc2"], "attrs": {}}
+                   for i in range(MAX_NODES)]
+
+
+def _many_params(g: dict[str, Any]) -> None:
+    g["params"] += [{"name": f"p{i}", "shape": [1], "dtype": "float32"} for i in range(500)]
+
+
+CASES: list[tuple[str, Mutation, str]] = [
+    ("format", _set(["format"], "onnx"), "unsupported graph format"),
+    ("version", _set(["version"], 2), "version"),
+    ("unknown op", _set(["nodes", 1, "op"], "fft"), "unknown op 'fft'"),
+    ("duplicate node", _set(["nodes", 1, "name"], "fc1"), "duplicate name 'fc1'"),
+    ("node shadows param", _set(["nodes", 1, "name"], "fc1.bias"), "duplicate name 'fc1.bias'"),
+    ("forward reference", _set(["nodes", 0, "inputs", 0], "relu1"), "'relu1' is not defined before"),
+    ("missing param", _set(["nodes", 2, "inputs", 1], "fc3.weight"), "'fc3.weight' is not defined"),
+    ("null required input", _set(["nodes", 2, "inputs", 1], None), "may not be null"),
+    ("wrong input count", _set(["nodes", 1, "inputs"], ["fc1", "fc1"]), "takes inputs"),
+    ("missing attr", _set(["nodes", 1], {"name": "relu1", "op": "softmax", "inputs": ["fc1"]}),
+     "missing required attr 'dim'"),
+    ("unknown attr", _set(["nodes", 1, "attrs"], {"inplace": True}), "unknown attrs ['inplace']"),
+    ("bad attr type", _set(["nodes", 1], {"name": "relu1", "op": "softmax", "inputs": ["fc1"],
+                                          "attrs": {"dim": "last"}}), "attr 'dim'"),
+    ("bad name", _set(["nodes", 1, "name"], "relu 1"), "invalid name"),
+    ("long name", _set(["nodes", 1, "name"], "r" * 201), "invalid name"),
+    ("shape mismatch", _set(["params", 2, "shape"], [10, 100]), "node 'fc2' (linear)"),
+    ("input batch dim", _set(["inputs", 0, "shape"], [784]), "batch dimension"),
+    ("param dtype", _set(["params", 0, "dtype"], "float16"), "dtype"),
+    ("negative dim", _set(["params", 0, "shape"], [0, 784]), "positive"),
+    ("output", _set(["output"], "nope"), "output 'nope'"),
+    ("loss op", _set(["loss", "op"], "hinge"), "unknown op 'hinge'"),
+    ("loss inputs", _set(["loss", "inputs"], ["relu1", "y"]), "loss: inputs"),
+    ("loss target shape", _set(["targets", 0, "shape"], [-1, 3]), "loss (cross_entropy)"),
+    ("loss target dtype", _set(["targets", 0, "dtype"], "float32"), "int64 class targets"),
+    ("too many nodes", _many_nodes, "too many nodes"),
+    ("too many params", _many_params, "too many params"),
+    ("too many elements", _set(["params", 0, "shape"], [20_000, 10_001]), "parameter elements"),
+    ("reshape -1 twice", _set(["nodes", 1], {"name": "relu1", "op": "reshape", "inputs": ["fc1"],
+                                             "attrs": {"shape": [-1, -1]}}), "only once"),
+]
+
+
+@pytest.mark.parametrize(("mutate", "message"), [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+def test_invalid_graphs_are_rejected_with_a_clear_message(mutate: Mutation, message: str) -> None:
+    graph = copy.deepcopy(DOC_EXAMPLE)
+    mutate(graph)
+    with pytest.raises(GraphError) as info:
+        load_graph(graph)
+    assert message in str(info.value)
+
+
+@pytest.mark.parametrize("data", [b"\xff\x00", "not json", "[1, 2]", b"{}"])
+def test_garbage_is_a_graph_error(data: str | bytes) -> None:
+    with pytest.raises(GraphError):
+        load_graph(data)
+
+
+def test_arange_embedding_longer_than_table_is_rejected() -> None:
+    graph, _ = exported("gpt")
+    graph = copy.deepcopy(graph)
+    graph["inputs"][0]["shape"] = [-1, 65]
+    graph["targets"][0]["shape"] = [-1, 65]
+    with pytest.raises(GraphError, match="arange_embedding"):
+        load_graph(graph)
+
+
+def test_mlp_preset_exports_to_the_documented_example() -> None:
+    graph, _ = exported("mlp")
+    assert load_graph(graph) == load_graph(DOC_EXAMPLE)
+
+
+def test_random_corruption_only_ever_raises_graph_error() -> None:
+    """Uploaded graphs are hostile input: any corruption is a GraphError, never a crash."""
+    import random
+
+    junk: list[Any] = [None, 0, -1, 1.5, "x", "", [], {}, [None], [-1], [2**70], True, {"a": 1},
+                       "fc1", [1, 2], 10**20, float("nan")]
+    rng = random.Random(0)
+    base = [exported("mlp")[0], exported("cnn")[0]]
+
+    def paths(obj: Any, prefix: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
+        children = obj.items() if isinstance(obj, dict) else enumerate(obj) if isinstance(obj, list) else []
+        return [prefix] + [p for k, v in children for p in paths(v, (*prefix, k))]
+
+    for _ in range(300):
+        graph = copy.deepcopy(rng.choice(base))
+        for _ in range(rng.randint(1, 3)):
+            path = rng.choice(paths(graph)[1:])
+            parent: Any = graph
+            for key in path[:-1]:
+                parent = parent[key]
+            parent[path[-1]] = rng.choice(junk)
+        with contextlib.suppress(GraphError):
+            load_graph(graph)

@@ -1,0 +1,81 @@
+"""Read-only queries over the credit ledger: totals, breakdowns, rates and the leaderboard."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+
+from django.db.models import QuerySet, Sum
+from django.db.models.functions import TruncMinute
+from django.utils import timezone
+
+from workers.models import CreditEntry, Volunteer
+
+
+@dataclass(frozen=True)
+class ProjectCredit:
+    project_id: int
+    name: str
+    flops: int
+
+
+@dataclass(frozen=True)
+class VolunteerCredit:
+    volunteer_id: int
+    username: str
+    flops: int
+
+
+def credit_total() -> int:
+    """All FLOPs ever granted: the sum of the ledger, not of the denormalised totals."""
+    return int(CreditEntry.objects.aggregate(total=Sum("flops"))["total"] or 0)
+
+
+def credit_volunteer_count() -> int:
+    """How many volunteers have earned any credit."""
+    return CreditEntry.objects.values("volunteer_id").distinct().count()
+
+
+def credit_by_project() -> list[ProjectCredit]:
+    rows = (
+        CreditEntry.objects.values("project_id", "project__name")
+        .annotate(total=Sum("flops"))
+        .order_by("-total", "project__name")
+    )
+    return [ProjectCredit(row["project_id"], row["project__name"], int(row["total"])) for row in rows]
+
+
+def credit_by_volunteer(*, limit: int = 50) -> list[VolunteerCredit]:
+    rows = (
+        CreditEntry.objects.values("volunteer_id", "volunteer__user__username")
+        .annotate(total=Sum("flops"))
+        .order_by("-total", "volunteer__user__username")[:limit]
+    )
+    return [
+        VolunteerCredit(row["volunteer_id"], row["volunteer__user__username"], int(row["total"]))
+        for row in rows
+    ]
+
+
+def credit_rate_series(*, minutes: int = 60) -> list[tuple[datetime, float]]:
+    """FLOP/s per minute over the last `minutes` whole minutes (oldest first, empty minutes as 0)."""
+    end = timezone.now().replace(second=0, microsecond=0) + timedelta(minutes=1)
+    start = end - timedelta(minutes=minutes)
+    rows = (
+        CreditEntry.objects.filter(created_at__gte=start, created_at__lt=end)
+        .annotate(minute=TruncMinute("created_at"))
+        .values("minute")
+        .annotate(total=Sum("flops"))
+    )
+    totals = {row["minute"]: int(row["total"]) for row in rows}
+    buckets = [start + timedelta(minutes=i) for i in range(minutes)]
+    return [(minute, totals.get(minute, 0) / 60.0) for minute in buckets]
+
+
+def leaderboard(*, limit: int = 100) -> QuerySet[Volunteer]:
+    """Volunteers with any credit, most FLOPs first."""
+    return (
+        Volunteer.objects.filter(total_flops__gt=0)
+        .select_related("user", "team")
+        .order_by("-total_flops", "-results_accepted", "user__username")[:limit]
+    )
