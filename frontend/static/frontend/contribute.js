@@ -170,6 +170,7 @@
     const msg = event.data;
     if (msg.type === "ready") {
       s.device = { backend: msg.backend, gflops: msg.gflops, user_agent: navigator.userAgent };
+      if (navigator.deviceMemory) s.device.memory_mb = navigator.deviceMemory * 1024; // Chrome only
       $("backend").textContent = `${msg.backend} · ${msg.gflops} GFLOP/s`;
       log(`engine ready on ${msg.backend} (${msg.gflops} GFLOP/s)`);
       setStatus("Connecting…", "waiting");

@@ -208,6 +208,8 @@ async function runCompute(assign) {
     self.postMessage(result, [result.bytes]);
   } catch (err) {
     self.postMessage({ type: "failed", work_unit: assign.id, error: String((err && err.message) || err) });
+  } finally {
+    cancelled.delete(assign.id); // a cancel that arrived mid-compute; the page drops the result
   }
 }
 
