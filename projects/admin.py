@@ -161,7 +161,15 @@ class DatasetShardAdmin(ReadOnlyAdmin):
 # --- projects -------------------------------------------------------------------------------------
 
 PROJECT_ADD_FIELDSETS = [
-    (None, {"fields": ["name", "description", "preset"]}),
+    (None, {"fields": ["name", "description"]}),
+    (
+        "Model",
+        {
+            "fields": ["model_source", "preset", "graph_file", "weights_file"],
+            "description": "A preset architecture, or your own model exported with "
+            "<code>manage.py export_model</code> (graph.json + weights.safetensors).",
+        },
+    ),
     (
         "Dataset",
         {
@@ -212,7 +220,8 @@ class ProjectAdmin(OwnedAdmin):
         queryset = super().get_queryset(request).select_related("owner", "graph")
         return project_annotate_current_version(queryset=queryset)
 
-    # add form: preset + dataset (chosen or uploaded) + training settings, saved by project_create
+    # add form: a preset or an uploaded graph + weights, a dataset (chosen or uploaded) and training
+    # settings, saved by project_create / project_create_from_graph
 
     def get_form(
         self, request: HttpRequest, obj: Project | None = None, change: bool = False, **kwargs: Any

@@ -1,19 +1,27 @@
-"""Admin forms: create a dataset from an .npz upload, and a project from a preset plus a dataset."""
+"""Admin forms: create a dataset from an .npz upload, and a project from a preset (or an uploaded
+graph.json + weights.safetensors, e.g. from `manage.py export_model`) plus a dataset."""
 
 from __future__ import annotations
 
 from typing import Any
 
+import torch
 from django import forms
 from django.conf import settings
 from django.contrib.auth.models import User
 from django.core.files.uploadedfile import UploadedFile
 from django.db import transaction
 
+from engine import codecs
+from engine.graph import Graph, GraphError, infer_shapes, load_graph
 from engine.presets import PRESETS
 from projects.datasets import DatasetError, ParsedDataset, dataset_create, dataset_parse_npz
 from projects.models import Dataset, Project
-from projects.services import TRAINING_SETTINGS, project_create
+from projects.services import TRAINING_SETTINGS, project_create, project_create_from_graph
+
+MAX_GRAPH_BYTES = 2 * 2**20
+SOURCE_PRESET, SOURCE_UPLOAD = "preset", "upload"
+Tensors = dict[str, torch.Tensor]
 
 
 def preset_choices() -> list[tuple[str, str]]:
@@ -44,6 +52,57 @@ def preset_mismatch(*, preset: str, input_shape: list[int], num_classes: int) ->
     return ""
 
 
+def read_limited(upload: UploadedFile, limit: int) -> bytes:
+    """The upload's bytes; the size is checked before anything is read."""
+    if upload.size is not None and upload.size > limit:
+        raise forms.ValidationError(f"The file is {upload.size:,} bytes; the limit is {limit:,} bytes.")
+    return upload.read()
+
+
+def parse_graph_upload(upload: UploadedFile) -> Graph:
+    try:
+        return load_graph(read_limited(upload, MAX_GRAPH_BYTES))
+    except GraphError as exc:
+        raise forms.ValidationError(f"Invalid model graph: {exc}") from exc
+
+
+def parse_weights_upload(upload: UploadedFile) -> Tensors:
+    """safetensors only, through engine.codecs: nothing uploaded is ever unpickled (no torch.load)."""
+    try:
+        return codecs.decode(read_limited(upload, settings.CROWDTRAIN["MAX_RESULT_BYTES"]))[0]
+    except codecs.CodecError as exc:
+        raise forms.ValidationError(f"Not a usable safetensors file: {exc}") from exc
+
+
+def weights_mismatch(*, graph: Graph, weights: Tensors) -> str:
+    """Why `weights` cannot be the graph's params + buffers ('' if they can), naming the first culprit."""
+    specs = {spec.name: spec.shape for spec in (*graph.params, *graph.buffers)}
+    for name, shape in specs.items():
+        tensor = weights.get(name)
+        if tensor is None:
+            return f"The weights have no tensor '{name}' (the graph needs shape {list(shape)})."
+        if tuple(tensor.shape) != tuple(shape):
+            return f"Tensor '{name}' has shape {list(tensor.shape)}; the graph says {list(shape)}."
+        if not tensor.is_floating_point() or not bool(torch.isfinite(tensor).all()):
+            return f"Tensor '{name}' must hold finite float values."
+    extra = sorted(set(weights) - set(specs))
+    return f"Tensor '{extra[0]}' is not a param or buffer of the graph." if extra else ""
+
+
+def graph_mismatch(*, graph: Graph, input_shape: list[int], num_classes: int) -> str:
+    """Why a dataset cannot train an uploaded graph ('' if it can); mirrors preset_mismatch."""
+    target = graph.targets[0]
+    if graph.loss.op != "cross_entropy" or target.dtype != "int64" or list(target.shape) != [-1]:
+        return "The graph needs a cross_entropy loss on one class label per sample, like .npz datasets have."
+    sample_shape = list(graph.inputs[0].shape[1:])
+    if sample_shape != list(input_shape):
+        return f"The graph expects samples of shape {sample_shape}; the dataset has {input_shape}."
+    classes = infer_shapes(graph, batch=1)[graph.output][-1]
+    if classes < num_classes:
+        return f"The graph predicts {classes} classes; the dataset has {num_classes}."
+    return ""
+
+
 class DatasetAddForm(forms.ModelForm):
     file = forms.FileField(
         label=".npz file",
@@ -68,7 +127,23 @@ class ProjectAddForm(forms.ModelForm):
 
     owner: User | None = None
 
-    preset = forms.ChoiceField(choices=preset_choices, help_text="The model architecture to train.")
+    model_source = forms.ChoiceField(
+        choices=[(SOURCE_PRESET, "A preset architecture"),
+                 (SOURCE_UPLOAD, "Upload graph.json + weights.safetensors (manage.py export_model)")],
+        initial=SOURCE_PRESET, required=False, widget=forms.RadioSelect, label="Model source",
+    )
+    preset = forms.ChoiceField(
+        choices=preset_choices, required=False, help_text="The model architecture to train."
+    )
+    graph_file = forms.FileField(
+        label="graph.json", required=False, widget=forms.ClearableFileInput(attrs={"accept": ".json"}),
+        help_text="The model graph (docs/graph-format.md), at most 2 MB.",
+    )
+    weights_file = forms.FileField(
+        label="weights.safetensors", required=False,
+        widget=forms.ClearableFileInput(attrs={"accept": ".safetensors"}),
+        help_text="Initial params and buffers as safetensors (never pickles).",
+    )
     dataset = forms.ModelChoiceField(
         queryset=Dataset.objects.none(),
         required=False,
@@ -92,6 +167,25 @@ class ProjectAddForm(forms.ModelForm):
             datasets = datasets.filter(owner=self.owner)
         self.fields["dataset"].queryset = datasets  # type: ignore[attr-defined]
         self.parsed: ParsedDataset | None = None
+        self.graph: Graph | None = None
+        self.weights: Tensors | None = None
+
+    @property
+    def uploads_model(self) -> bool:
+        # Blank counts as "preset": forms posted before the choice existed keep working.
+        return self.cleaned_data.get("model_source") == SOURCE_UPLOAD
+
+    def clean_graph_file(self) -> UploadedFile | None:
+        upload = self.cleaned_data.get("graph_file")
+        if upload and self.uploads_model:
+            self.graph = parse_graph_upload(upload)
+        return upload
+
+    def clean_weights_file(self) -> UploadedFile | None:
+        upload = self.cleaned_data.get("weights_file")
+        if upload and self.uploads_model:
+            self.weights = parse_weights_upload(upload)
+        return upload
 
     def clean_dataset_file(self) -> UploadedFile | None:
         upload = self.cleaned_data.get("dataset_file")
@@ -105,10 +199,34 @@ class ProjectAddForm(forms.ModelForm):
         dataset, upload = cleaned.get("dataset"), cleaned.get("dataset_file")
         if bool(dataset) == bool(upload) and "dataset_file" not in self.errors:
             self.add_error("dataset", "Choose an existing dataset or upload an .npz file (exactly one).")
-        self._check_preset_fits(cleaned)
+        if self.uploads_model:
+            self._check_uploaded_model(cleaned)
+        else:
+            self._check_preset_fits(cleaned)
         return cleaned
 
+    def _check_uploaded_model(self, cleaned: dict[str, Any]) -> None:
+        for field in ("graph_file", "weights_file"):
+            if not cleaned.get(field) and field not in self.errors:
+                self.add_error(field, "Upload this file, or choose a preset as the model source.")
+        if self.graph is None or self.weights is None:
+            return  # missing or already reported on its field
+        problem = weights_mismatch(graph=self.graph, weights=self.weights)
+        if problem:
+            self.add_error("weights_file", problem)
+        else:
+            self._check_graph_fits(self.graph, cleaned.get("dataset") or self.parsed)
+
+    def _check_graph_fits(self, graph: Graph, source: Dataset | ParsedDataset | None) -> None:
+        if source is None:
+            return  # the dataset error is reported already
+        problem = graph_mismatch(graph=graph, input_shape=source.input_shape, num_classes=source.num_classes)
+        if problem:
+            self.add_error("graph_file", problem)
+
     def _check_preset_fits(self, cleaned: dict[str, Any]) -> None:
+        if not cleaned.get("preset") and "preset" not in self.errors:
+            self.add_error("preset", "Choose a preset, or upload a graph and weights as the model source.")
         source = cleaned.get("dataset") or self.parsed
         if source is None or not cleaned.get("preset"):
             return
@@ -122,14 +240,17 @@ class ProjectAddForm(forms.ModelForm):
     def create(self, *, owner: User) -> Project:
         """Store the uploaded dataset (if any) and create the project, all or nothing."""
         data = self.cleaned_data
-        return project_create(
-            owner=owner,
-            name=data["name"],
-            description=data["description"],
-            dataset=data["dataset"] or self._store_upload(owner=owner),
-            preset=data["preset"],
-            settings={key: data[key] for key in TRAINING_SETTINGS},
-        )
+        common = {
+            "owner": owner,
+            "name": data["name"],
+            "description": data["description"],
+            "dataset": data["dataset"] or self._store_upload(owner=owner),
+            "settings": {key: data[key] for key in TRAINING_SETTINGS},
+        }
+        if not self.uploads_model:
+            return project_create(preset=data["preset"], **common)
+        assert self.graph is not None and self.weights is not None  # clean() guarantees both
+        return project_create_from_graph(graph_dict=self.graph.to_dict(), weights=self.weights, **common)
 
     def _store_upload(self, *, owner: User) -> Dataset:
         assert self.parsed is not None  # clean() guarantees a dataset or a valid upload

@@ -268,7 +268,8 @@ def work_unit_assign(*, user: AbstractBaseUser) -> WorkUnit | None:
             .filter(status=WorkUnit.Status.READY, project__status=Project.Status.RUNNING)
             .exclude(results__volunteer=user)
             .select_related("project", "version", "shard__blob", "project__graph", "version__weights")
-            .order_by("-project__priority", "id")
+            # Oldest open round first: with several projects, each one's round keeps moving.
+            .order_by("-project__priority", "version__created_at", "id")
             .first()
         )
         if work_unit is None:

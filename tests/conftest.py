@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import io
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -65,3 +67,27 @@ def mlp_project(researcher: User, digits_dataset):  # type: ignore[no-untyped-de
         settings={"batch_size": 50, "round_samples": 100, "learning_rate": 0.1, "momentum": 0.9},
     )
     return project_start(project=project)
+
+
+CHROMIUM = "/usr/bin/chromium"
+CHROMIUM_ARGS = [
+    "--enable-unsafe-swiftshader", "--use-angle=swiftshader", "--no-sandbox",
+    "--disable-background-networking", "--disable-component-update", "--disable-sync", "--no-first-run",
+]
+
+
+def launch_options() -> dict[str, Any]:
+    """WebGL2 through SwiftShader. (ANGLE on Vulkan/lavapipe gave no WebGL2 context in headless
+    Chromium 156 here, with or without --enable-features=Vulkan, so it is not offered.)"""
+    return {"executable_path": CHROMIUM, "args": list(CHROMIUM_ARGS), "headless": True}
+
+
+@pytest.fixture(scope="session")
+def browser() -> Iterator[Any]:
+    playwright_api = pytest.importorskip("playwright.sync_api")
+    if not Path(CHROMIUM).exists():
+        pytest.skip("chromium not installed")
+    with playwright_api.sync_playwright() as pw:
+        instance = pw.chromium.launch(**launch_options())
+        yield instance
+        instance.close()

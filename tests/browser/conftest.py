@@ -20,30 +20,6 @@ STATIC = ROOT / "frontend" / "static"
 VENDOR = ROOT / "frontend" / "vendor"
 HARNESS = Path(__file__).resolve().parent / "harness"
 
-CHROMIUM = "/usr/bin/chromium"
-CHROMIUM_ARGS = [
-    "--enable-unsafe-swiftshader", "--use-angle=swiftshader", "--no-sandbox",
-    "--disable-background-networking", "--disable-component-update", "--disable-sync", "--no-first-run",
-]
-
-
-def launch_options() -> dict[str, Any]:
-    """WebGL2 through SwiftShader. (ANGLE on Vulkan/lavapipe gave no WebGL2 context in headless
-    Chromium 156 here, with or without --enable-features=Vulkan, so it is not offered.)"""
-    return {"executable_path": CHROMIUM, "args": list(CHROMIUM_ARGS), "headless": True}
-
-
-@pytest.fixture(scope="session")
-def browser() -> Iterator[Any]:
-    playwright_api = pytest.importorskip("playwright.sync_api")
-    if not Path(CHROMIUM).exists():
-        pytest.skip("chromium not installed")
-    with playwright_api.sync_playwright() as pw:
-        instance = pw.chromium.launch(**launch_options())
-        yield instance
-        instance.close()
-
-
 class _Handler(SimpleHTTPRequestHandler):
     blob_dir: Path
 

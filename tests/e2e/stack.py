@@ -38,6 +38,7 @@ class Stack:
     redis_db: int = 14
     port: int = field(default_factory=free_port)
     database_url: str = ""
+    seed_args: tuple[str, ...] = ("--no-fashion",)
     processes: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
 
     @property
@@ -68,7 +69,7 @@ class Stack:
         redis.Redis.from_url(self.env()["REDIS_URL"]).flushdb()
         self.manage("migrate", "--verbosity", "0")
         self.manage("ensure_admin")
-        self.manage("seed_demo")
+        self.manage("seed_demo", *self.seed_args)
         self._spawn("web", "-m", "daphne", "-b", "127.0.0.1", "-p", str(self.port),
                     "--websocket-max-message-size", str(64 * 2**20), "crowdtrain.asgi:application")
         self._spawn("worker", "-m", "celery", "-A", "crowdtrain", "worker", "--pool", "solo", "-l", "info")

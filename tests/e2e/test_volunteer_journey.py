@@ -43,8 +43,8 @@ def ledger_total(stack: Stack) -> int:
 def sign_up(page, stack: Stack, username: str) -> None:  # type: ignore[no-untyped-def]
     page.goto(stack.url + "/signup/")
     page.fill("input[name=username]", username)
-    page.fill("input[name=password1]", "volunteer-pass-987")
-    page.fill("input[name=password2]", "volunteer-pass-987")
+    page.fill("input[name=password1]", "Tr41n-the-w0rld!")
+    page.fill("input[name=password2]", "Tr41n-the-w0rld!")
     page.click("form button[type=submit]")
     page.wait_for_load_state()
 

@@ -7,9 +7,9 @@ import math
 import pytest
 import torch
 from django.contrib.auth.models import User
-from engine.flops import train_flops_per_sample
 
 from engine import codecs
+from engine.flops import train_flops_per_sample
 from projects import services
 from projects.models import ModelVersion, Project, Result, WorkUnit
 from projects.services import ProjectError, ResultError
