@@ -32,7 +32,9 @@ case "$role" in
         wait_for_db
         python manage.py migrate --noinput
         python manage.py collectstatic --noinput
-        exec daphne --proxy-headers -b 0.0.0.0 -p "${PORT:-8000}" crowdtrain.asgi:application
+        limit=$(( ${CROWDTRAIN_MAX_RESULT_BYTES:-134217728} + 1048576 ))  # results are single WebSocket frames
+        exec daphne --proxy-headers -b 0.0.0.0 -p "${PORT:-8000}" \
+            --websocket-max-message-size "$limit" --websocket-max-frame-size "$limit" crowdtrain.asgi:application
         ;;
     worker)
         wait_for_db

@@ -22,5 +22,7 @@ def blob_put(*, data: bytes, content_type: str = "application/octet-stream") -> 
         with os.fdopen(fd, "wb") as handle:
             handle.write(data)
         os.replace(tmp, path)
-    blob, _ = Blob.objects.get_or_create(sha256=sha, defaults={"size": len(data), "content_type": content_type})
+    blob, _ = Blob.objects.get_or_create(
+        sha256=sha, defaults={"size": len(data), "content_type": content_type}
+    )
     return blob

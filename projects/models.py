@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from datetime import timedelta
+from pathlib import Path
 
 from django.conf import settings
 from django.db import models
@@ -25,8 +26,8 @@ class Blob(models.Model):
         return f"/blobs/{self.sha256}"
 
     @property
-    def path(self):  # type: ignore[no-untyped-def]
-        return settings.BLOB_ROOT / self.sha256[:2] / self.sha256
+    def path(self) -> Path:
+        return Path(settings.BLOB_ROOT) / self.sha256[:2] / self.sha256
 
     def read(self) -> bytes:
         return self.path.read_bytes()
@@ -109,7 +110,9 @@ class ModelVersion(models.Model):
     project = models.ForeignKey(Project, on_delete=models.CASCADE, related_name="versions")
     number = models.PositiveIntegerField()
     weights = models.ForeignKey(Blob, on_delete=models.PROTECT, related_name="+")
-    optimizer_state = models.ForeignKey(Blob, on_delete=models.PROTECT, related_name="+", null=True, blank=True)
+    optimizer_state = models.ForeignKey(
+        Blob, on_delete=models.PROTECT, related_name="+", null=True, blank=True
+    )
     train_loss = models.FloatField(null=True, blank=True)
     samples = models.PositiveIntegerField(default=0, help_text="Samples aggregated into this version.")
     created_at = models.DateTimeField(auto_now_add=True)

@@ -45,4 +45,6 @@ def work_available() -> None:
 
 def work_cancelled(*, by_user: dict[int, list[int]], reason: str) -> None:
     for user_id, work_unit_ids in by_user.items():
-        _group_send(user_group(user_id), {"type": "work.cancel", "work_units": work_unit_ids, "reason": reason})
+        _group_send(
+            user_group(user_id), {"type": "work.cancel", "work_units": work_unit_ids, "reason": reason}
+        )

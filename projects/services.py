@@ -13,12 +13,12 @@ from typing import Any
 
 import torch
 from django.conf import settings
-from django.contrib.auth.models import AbstractBaseUser
+from django.contrib.auth.models import User
 from django.db import transaction
 from django.db.models import Sum
-from engine.flops import train_flops_per_sample
 
 from engine import aggregate, codecs, runtime
+from engine.flops import train_flops_per_sample
 from engine.graph import Graph, GraphError, graph_to_json, infer_shapes, load_graph
 from engine.presets import export_preset
 from projects import notify
@@ -76,7 +76,7 @@ class ResultOutcome:
 
 def project_create(
     *,
-    owner: AbstractBaseUser,
+    owner: User,
     name: str,
     dataset: Dataset,
     preset: str,
@@ -86,14 +86,20 @@ def project_create(
     """Build the model from a preset, check it fits the dataset, and publish version 0."""
     graph_dict, weights = export_preset(preset)
     return project_create_from_graph(
-        owner=owner, name=name, dataset=dataset, graph_dict=graph_dict, weights=weights,
-        preset=preset, description=description, settings=settings,
+        owner=owner,
+        name=name,
+        dataset=dataset,
+        graph_dict=graph_dict,
+        weights=weights,
+        preset=preset,
+        description=description,
+        settings=settings,
     )
 
 
 def project_create_from_graph(
     *,
-    owner: AbstractBaseUser,
+    owner: User,
     name: str,
     dataset: Dataset,
     graph_dict: dict[str, Any],
@@ -105,7 +111,11 @@ def project_create_from_graph(
     graph = _graph_for_dataset(graph_dict=graph_dict, dataset=dataset)
     with transaction.atomic():
         project = Project.objects.create(
-            owner=owner, name=name, description=description, dataset=dataset, preset=preset,
+            owner=owner,
+            name=name,
+            description=description,
+            dataset=dataset,
+            preset=preset,
             graph=blob_put(data=graph_to_json(graph), content_type="application/json"),
             flops_per_sample=train_flops_per_sample(graph),
             **{key: value for key, value in (settings or {}).items() if key in TRAINING_SETTINGS},
@@ -154,13 +164,24 @@ def project_graph(*, project: Project) -> Graph:
 # --- versions -------------------------------------------------------------------------------------
 
 
-def version_publish(*, project: Project, number: int, weights: Tensors, momentum: Tensors,
-                    train_loss: float | None = None, samples: int = 0) -> ModelVersion:
+def version_publish(
+    *,
+    project: Project,
+    number: int,
+    weights: Tensors,
+    momentum: Tensors,
+    train_loss: float | None = None,
+    samples: int = 0,
+) -> ModelVersion:
     weights_blob = blob_put(data=codecs.encode(weights))
     state_blob = blob_put(data=codecs.encode(momentum)) if momentum else None
     return ModelVersion.objects.create(
-        project=project, number=number, weights=weights_blob, optimizer_state=state_blob,
-        train_loss=train_loss, samples=samples,
+        project=project,
+        number=number,
+        weights=weights_blob,
+        optimizer_state=state_blob,
+        train_loss=train_loss,
+        samples=samples,
     )
 
 
@@ -202,15 +223,23 @@ def _step(*, project: Project, version: ModelVersion, results: list[Result]) -> 
     )
     momentum = codecs.decode(version.optimizer_state.read())[0] if version.optimizer_state else {}
     params, momentum = aggregate.sgd_step(
-        version_weights(version=version), grads, momentum,
-        lr=project.learning_rate, momentum=project.momentum, weight_decay=project.weight_decay,
+        version_weights(version=version),
+        grads,
+        momentum,
+        lr=project.learning_rate,
+        momentum=project.momentum,
+        weight_decay=project.weight_decay,
     )
     samples = sum(r.samples for r in results)
     loss = sum((r.loss or 0.0) * r.samples for r in results) / samples
     Result.objects.filter(pk__in=[r.pk for r in results]).update(aggregated=True)
     return version_publish(
-        project=project, number=version.number + 1, weights=params, momentum=momentum,
-        train_loss=loss, samples=samples,
+        project=project,
+        number=version.number + 1,
+        weights=params,
+        momentum=momentum,
+        train_loss=loss,
+        samples=samples,
     )
 
 
@@ -259,7 +288,7 @@ def _locate(*, project: Project, index: int) -> tuple[DatasetShard, int]:
     return shard, index % shard_samples
 
 
-def work_unit_assign(*, user: AbstractBaseUser) -> WorkUnit | None:
+def work_unit_assign(*, user: User) -> WorkUnit | None:
     """Hand the next ready work unit of the highest-priority running project to `user`."""
     deadline = settings.CROWDTRAIN["WORK_UNIT_DEADLINE_SECONDS"]
     with transaction.atomic():
@@ -279,7 +308,7 @@ def work_unit_assign(*, user: AbstractBaseUser) -> WorkUnit | None:
     return work_unit
 
 
-def work_units_release(*, user: AbstractBaseUser, work_unit_ids: list[int]) -> int:
+def work_units_release(*, user: User, work_unit_ids: list[int]) -> int:
     """Give back work a volunteer can no longer finish (it disconnected), so others pick it up at once."""
     return WorkUnit.objects.filter(
         pk__in=work_unit_ids, assigned_to=user, status=WorkUnit.Status.ASSIGNED
@@ -311,7 +340,7 @@ def _cancel_open_work(*, project: Project, reason: str) -> None:
 
 
 def result_submit(
-    *, user: AbstractBaseUser, work_unit_id: int, samples: int, loss: float, compute_ms: int, payload: bytes
+    *, user: User, work_unit_id: int, samples: int, loss: float, compute_ms: int, payload: bytes
 ) -> ResultOutcome:
     """Validate and record one volunteer's gradient; credit it if accepted; close the round if it is full."""
     if len(payload) > settings.CROWDTRAIN["MAX_RESULT_BYTES"]:
@@ -323,17 +352,24 @@ def result_submit(
             return _outcome(result=previous, user=user)
         if work_unit.status != WorkUnit.Status.ASSIGNED:
             return _rejected_without_record(work_unit=work_unit, user=user)
-        result = _record(work_unit=work_unit, user=user, samples=samples, loss=loss,
-                         compute_ms=compute_ms, payload=payload)
+        result = _record(
+            work_unit=work_unit, user=user, samples=samples, loss=loss, compute_ms=compute_ms, payload=payload
+        )
     if result.status == Result.Status.ACCEPTED:
-        transaction.on_commit(lambda: notify.result_accepted(project_id=work_unit.project_id,
-                                                             version_number=work_unit.version.number))
+        transaction.on_commit(
+            lambda: notify.result_accepted(
+                project_id=work_unit.project_id, version_number=work_unit.version.number
+            )
+        )
     return _outcome(result=result, user=user)
 
 
-def _work_unit_for_result(*, user: AbstractBaseUser, work_unit_id: int) -> WorkUnit:
+def _work_unit_for_result(*, user: User, work_unit_id: int) -> WorkUnit:
     work_unit = (
-        WorkUnit.objects.select_for_update().select_related("project", "version").filter(pk=work_unit_id).first()
+        WorkUnit.objects.select_for_update()
+        .select_related("project", "version")
+        .filter(pk=work_unit_id)
+        .first()
     )
     if work_unit is None:
         raise ResultError("unknown_work_unit", f"There is no work unit {work_unit_id}.")
@@ -342,19 +378,25 @@ def _work_unit_for_result(*, user: AbstractBaseUser, work_unit_id: int) -> WorkU
     return work_unit
 
 
-def _rejected_without_record(*, work_unit: WorkUnit, user: AbstractBaseUser) -> ResultOutcome:
+def _rejected_without_record(*, work_unit: WorkUnit, user: User) -> ResultOutcome:
     # Late or cancelled work: harmless, earns nothing, and is not stored.
     total = _total_flops(user=user)
     return ResultOutcome(work_unit.pk, False, f"work unit is {work_unit.status}", 0, total)
 
 
-def _record(*, work_unit: WorkUnit, user: AbstractBaseUser, samples: int, loss: float,
-            compute_ms: int, payload: bytes) -> Result:
+def _record(
+    *, work_unit: WorkUnit, user: User, samples: int, loss: float, compute_ms: int, payload: bytes
+) -> Result:
     reason, blob = _validate_update(work_unit=work_unit, samples=samples, loss=loss, payload=payload)
     accepted = not reason
     result = Result.objects.create(
-        work_unit=work_unit, volunteer=user, blob=blob, samples=work_unit.count, loss=loss if accepted else None,
-        compute_ms=max(0, compute_ms), reason=reason,
+        work_unit=work_unit,
+        volunteer=user,
+        blob=blob,
+        samples=work_unit.count,
+        loss=loss if accepted else None,
+        compute_ms=max(0, compute_ms),
+        reason=reason,
         status=Result.Status.ACCEPTED if accepted else Result.Status.REJECTED,
     )
     # A rejected slice must still be computed by someone: expire it so the feeder reissues it.
@@ -381,7 +423,7 @@ def _validate_update(*, work_unit: WorkUnit, samples: int, loss: float, payload:
     return "", blob_put(data=payload)
 
 
-def _outcome(*, result: Result, user: AbstractBaseUser) -> ResultOutcome:
+def _outcome(*, result: Result, user: User) -> ResultOutcome:
     credit = getattr(result, "credit", None)
     return ResultOutcome(
         work_unit_id=result.work_unit_id,
@@ -392,7 +434,7 @@ def _outcome(*, result: Result, user: AbstractBaseUser) -> ResultOutcome:
     )
 
 
-def _total_flops(*, user: AbstractBaseUser) -> int:
+def _total_flops(*, user: User) -> int:
     from workers.models import Volunteer
 
     return Volunteer.objects.filter(user=user).values_list("total_flops", flat=True).first() or 0
@@ -429,7 +471,7 @@ def _test_split(*, dataset_id: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def versions_evaluate_latest() -> list[int]:
-    """Ids of the newest versions of running projects that have no metrics yet (for the periodic evaluator)."""
+    """Newest versions of running projects that have no metrics yet (for the periodic evaluator)."""
     latest = []
     for project in Project.objects.filter(status=Project.Status.RUNNING):
         version = project.current_version()

@@ -63,7 +63,10 @@ def mlp_project(researcher: User, digits_dataset):  # type: ignore[no-untyped-de
     from projects.services import project_create, project_start
 
     project = project_create(
-        owner=researcher, name="MLP", dataset=digits_dataset, preset="mlp",
+        owner=researcher,
+        name="MLP",
+        dataset=digits_dataset,
+        preset="mlp",
         settings={"batch_size": 50, "round_samples": 100, "learning_rate": 0.1, "momentum": 0.9},
     )
     return project_start(project=project)
@@ -71,8 +74,13 @@ def mlp_project(researcher: User, digits_dataset):  # type: ignore[no-untyped-de
 
 CHROMIUM = "/usr/bin/chromium"
 CHROMIUM_ARGS = [
-    "--enable-unsafe-swiftshader", "--use-angle=swiftshader", "--no-sandbox",
-    "--disable-background-networking", "--disable-component-update", "--disable-sync", "--no-first-run",
+    "--enable-unsafe-swiftshader",
+    "--use-angle=swiftshader",
+    "--no-sandbox",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--no-first-run",
 ]
 
 

@@ -77,11 +77,13 @@ class VolunteerConsumer(AsyncWebsocketConsumer):
         await database_sync_to_async(device_register)(user=self.user, device=device)
         volunteer = await database_sync_to_async(volunteer_ensure)(user=self.user)
         self.greeted = True
-        await self.send_json({
-            "type": "welcome",
-            "protocol": protocol.PROTOCOL_VERSION,
-            "volunteer": {"username": self.user.get_username(), "credit_flops": volunteer.total_flops},
-        })
+        await self.send_json(
+            {
+                "type": "welcome",
+                "protocol": protocol.PROTOCOL_VERSION,
+                "volunteer": {"username": self.user.get_username(), "credit_flops": volunteer.total_flops},
+            }
+        )
 
     async def on_ready(self, message: dict[str, Any]) -> None:
         work_unit = await database_sync_to_async(work_unit_assign)(user=self.user)
@@ -108,8 +110,12 @@ class VolunteerConsumer(AsyncWebsocketConsumer):
             raise ProtocolError("bad_message", "A binary frame must follow a result message.")
         try:
             outcome = await database_sync_to_async(result_submit)(
-                user=self.user, work_unit_id=meta.work_unit, samples=meta.samples, loss=meta.loss,
-                compute_ms=meta.compute_ms, payload=payload,
+                user=self.user,
+                work_unit_id=meta.work_unit,
+                samples=meta.samples,
+                loss=meta.loss,
+                compute_ms=meta.compute_ms,
+                payload=payload,
             )
         except ResultError as exc:
             raise ProtocolError(exc.code, str(exc)) from exc

@@ -83,7 +83,9 @@ def assign_message(work_unit: WorkUnit) -> dict[str, Any]:
             "task": "gradient",
             "graph_url": project.graph.url,
             "weights_url": work_unit.version.weights.url,
-            "shards": [{"url": work_unit.shard.blob.url, "offset": work_unit.offset, "count": work_unit.count}],
+            "shards": [
+                {"url": work_unit.shard.blob.url, "offset": work_unit.offset, "count": work_unit.count}
+            ],
             "batch_size": project.batch_size,
             "deadline": work_unit.deadline.isoformat() if work_unit.deadline else None,
             "codec": "fp32",

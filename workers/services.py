@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from django.contrib.auth.models import AbstractBaseUser
+from django.contrib.auth.models import User
 from django.db.models import F
 
 from workers.models import CreditEntry, Device, Volunteer
@@ -13,12 +13,12 @@ if TYPE_CHECKING:
     from projects.models import Result
 
 
-def volunteer_ensure(*, user: AbstractBaseUser) -> Volunteer:
+def volunteer_ensure(*, user: User) -> Volunteer:
     volunteer, _ = Volunteer.objects.get_or_create(user=user)
     return volunteer
 
 
-def credit_grant(*, user: AbstractBaseUser, result: Result, flops: int) -> CreditEntry:
+def credit_grant(*, user: User, result: Result, flops: int) -> CreditEntry:
     """Write one ledger line and bump the volunteer's total in the same transaction."""
     volunteer = volunteer_ensure(user=user)
     entry = CreditEntry.objects.create(
@@ -30,7 +30,7 @@ def credit_grant(*, user: AbstractBaseUser, result: Result, flops: int) -> Credi
     return entry
 
 
-def device_register(*, user: AbstractBaseUser, device: dict[str, Any]) -> Device:
+def device_register(*, user: User, device: dict[str, Any]) -> Device:
     """Record the device a volunteer connects with; the numbers are hints for scheduling, never for credit."""
     volunteer = volunteer_ensure(user=user)
     return Device.objects.create(

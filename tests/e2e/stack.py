@@ -70,17 +70,40 @@ class Stack:
         self.manage("migrate", "--verbosity", "0")
         self.manage("ensure_admin")
         self.manage("seed_demo", *self.seed_args)
-        self._spawn("web", "-m", "daphne", "-b", "127.0.0.1", "-p", str(self.port),
-                    "--websocket-max-message-size", str(64 * 2**20), "crowdtrain.asgi:application")
+        self._spawn(
+            "web",
+            "-m",
+            "daphne",
+            "-b",
+            "127.0.0.1",
+            "-p",
+            str(self.port),
+            "--websocket-max-message-size",
+            str(129 * 2**20),
+            "--websocket-max-frame-size",
+            str(129 * 2**20),
+            "crowdtrain.asgi:application",
+        )
         self._spawn("worker", "-m", "celery", "-A", "crowdtrain", "worker", "--pool", "solo", "-l", "info")
-        self._spawn("beat", "-m", "celery", "-A", "crowdtrain", "beat", "-l", "info",
-                    "--schedule", str(self.var_dir / "beat-schedule"))
+        self._spawn(
+            "beat",
+            "-m",
+            "celery",
+            "-A",
+            "crowdtrain",
+            "beat",
+            "-l",
+            "info",
+            "--schedule",
+            str(self.var_dir / "beat-schedule"),
+        )
         self._wait_for_http()
 
     def _spawn(self, name: str, *args: str) -> None:
         log = (self.var_dir / f"{name}.log").open("wb")
-        self.processes[name] = subprocess.Popen([PYTHON, *args], cwd=ROOT, env=self.env(), stdout=log,
-                                                stderr=subprocess.STDOUT)
+        self.processes[name] = subprocess.Popen(
+            [PYTHON, *args], cwd=ROOT, env=self.env(), stdout=log, stderr=subprocess.STDOUT
+        )
 
     def _wait_for_http(self, timeout: float = 60) -> None:
         deadline = time.monotonic() + timeout

@@ -28,9 +28,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
 
 def best_accuracy(stack: Stack) -> float:
     with psycopg.connect(stack.database_url) as conn:
-        row = conn.execute(
-            "SELECT max(value) FROM projects_metric WHERE name = 'test_accuracy'"
-        ).fetchone()
+        row = conn.execute("SELECT max(value) FROM projects_metric WHERE name = 'test_accuracy'").fetchone()
     return float(row[0]) if row and row[0] is not None else 0.0
 
 
@@ -67,7 +65,9 @@ def test_new_volunteer_trains_the_demo_to_80_percent(stack: Stack, browser) -> N
     page.wait_for_function("document.querySelector('#backend').textContent.trim().length > 0", timeout=60000)
     accuracy = wait_for_accuracy(page, stack, minutes=8)
     page.screenshot(path=str(SHOTS / "contribute.png"), full_page=True)
-    assert accuracy > TARGET_ACCURACY, f"test accuracy only {accuracy:.3f}; worker log:\n{stack.log('worker')[-3000:]}"
+    assert accuracy > TARGET_ACCURACY, (
+        f"test accuracy only {accuracy:.3f}; worker log:\n{stack.log('worker')[-3000:]}"
+    )
     backend = page.text_content("#backend") or ""
     assert re.search(r"webgl", backend, re.IGNORECASE), backend
     assert int(page.get_attribute("#credit", "data-flops") or 0) > 0
@@ -88,4 +88,3 @@ def test_new_volunteer_trains_the_demo_to_80_percent(stack: Stack, browser) -> N
     assert int(page.get_attribute("#total-flops", "data-flops") or 0) == total
     page.screenshot(path=str(SHOTS / "admin-dashboard.png"), full_page=True)
     page.close()
-

@@ -65,13 +65,22 @@ def test_assign_result_ack_over_the_socket(mlp_project: Project, volunteer_user:
         assert assign["type"] == "assign"
         unit = assign["work_unit"]
         assert unit["weights_url"].startswith("/blobs/") and unit["shards"][0]["count"] == 50
-        work_unit = await database_sync_to_async(WorkUnit.objects.select_related(
-            "project", "version", "shard__blob").get)(pk=unit["id"])
+        work_unit = await database_sync_to_async(
+            WorkUnit.objects.select_related("project", "version", "shard__blob").get
+        )(pk=unit["id"])
         payload, loss = await database_sync_to_async(honest_update)(work_unit)
-        await communicator.send_to(text_data=json.dumps({
-            "type": "result", "work_unit": unit["id"], "model_version": unit["model_version"],
-            "samples": 50, "loss": loss, "timings": {"download_ms": 1, "compute_ms": 2},
-        }))
+        await communicator.send_to(
+            text_data=json.dumps(
+                {
+                    "type": "result",
+                    "work_unit": unit["id"],
+                    "model_version": unit["model_version"],
+                    "samples": 50,
+                    "loss": loss,
+                    "timings": {"download_ms": 1, "compute_ms": 2},
+                }
+            )
+        )
         await communicator.send_to(bytes_data=payload)
         ack = json.loads(await communicator.receive_from(timeout=10))
         assert ack["type"] == "ack" and ack["accepted"] is True
@@ -81,7 +90,9 @@ def test_assign_result_ack_over_the_socket(mlp_project: Project, volunteer_user:
     async_to_sync(scenario)()
 
 
-def test_malformed_frames_get_errors_and_the_socket_survives(mlp_project: Project, volunteer_user: User) -> None:
+def test_malformed_frames_get_errors_and_the_socket_survives(
+    mlp_project: Project, volunteer_user: User
+) -> None:
     async def scenario() -> None:
         communicator = await connect(volunteer_user)
         await communicator.connect()
@@ -128,7 +139,11 @@ def test_cancel_reaches_the_volunteer_holding_stale_work(mlp_project: Project, v
         assign = await send(communicator, {"type": "ready"})
         await database_sync_to_async(_pause)(mlp_project)
         cancel = json.loads(await communicator.receive_from(timeout=10))
-        assert cancel == {"type": "cancel", "work_units": [assign["work_unit"]["id"]], "reason": "project paused"}
+        assert cancel == {
+            "type": "cancel",
+            "work_units": [assign["work_unit"]["id"]],
+            "reason": "project paused",
+        }
         await communicator.disconnect()
 
     async_to_sync(scenario)()

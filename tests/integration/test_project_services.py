@@ -23,20 +23,28 @@ def submit(user: User, work_unit: WorkUnit, payload: bytes | None = None, loss: 
     if payload is None:
         payload, loss = honest_update(work_unit)
     return services.result_submit(
-        user=user, work_unit_id=work_unit.pk, samples=work_unit.count, loss=loss, compute_ms=5, payload=payload
+        user=user,
+        work_unit_id=work_unit.pk,
+        samples=work_unit.count,
+        loss=loss,
+        compute_ms=5,
+        payload=payload,
     )
 
 
 def test_project_create_publishes_version_zero_with_server_side_flops(mlp_project: Project) -> None:
     version = mlp_project.current_version()
     assert version.number == 0
-    assert set(services.version_weights(version=version)) == {p.name for p in services.project_graph(
-        project=mlp_project).params}
+    assert set(services.version_weights(version=version)) == {
+        p.name for p in services.project_graph(project=mlp_project).params
+    }
     assert mlp_project.flops_per_sample == train_flops_per_sample(services.project_graph(project=mlp_project))
     assert mlp_project.flops_per_sample > 0
 
 
-def test_project_create_rejects_a_model_that_does_not_fit_the_dataset(researcher: User, digits_dataset) -> None:  # type: ignore[no-untyped-def]
+def test_project_create_rejects_a_model_that_does_not_fit_the_dataset(
+    researcher: User, digits_dataset
+) -> None:  # type: ignore[no-untyped-def]
     digits_dataset.input_shape = [3, 32, 32]
     digits_dataset.save()
     with pytest.raises(ProjectError, match="expects samples of shape"):
@@ -80,16 +88,18 @@ def test_duplicate_result_is_idempotent(mlp_project: Project, volunteer_user: Us
     assert CreditEntry.objects.count() == 1 and Result.objects.count() == 1
 
 
-def test_results_only_from_the_assigned_volunteer(mlp_project: Project, volunteer_user: User,
-                                                  other_volunteer: User) -> None:
+def test_results_only_from_the_assigned_volunteer(
+    mlp_project: Project, volunteer_user: User, other_volunteer: User
+) -> None:
     work_unit = services.work_unit_assign(user=volunteer_user)
     assert work_unit is not None
     with pytest.raises(ResultError) as stolen:
         submit(other_volunteer, work_unit)
     assert stolen.value.code == "not_assigned"
     with pytest.raises(ResultError) as unknown:
-        services.result_submit(user=volunteer_user, work_unit_id=10**9, samples=1, loss=0.0, compute_ms=0,
-                               payload=b"")
+        services.result_submit(
+            user=volunteer_user, work_unit_id=10**9, samples=1, loss=0.0, compute_ms=0, payload=b""
+        )
     assert unknown.value.code == "unknown_work_unit"
     assert not Result.objects.exists() and not CreditEntry.objects.exists()
 
@@ -114,8 +124,14 @@ def test_bad_updates_are_rejected_without_credit_and_reissued(
         payload = b"\x00not safetensors"
     else:
         samples += 1
-    outcome = services.result_submit(user=volunteer_user, work_unit_id=work_unit.pk, samples=samples,
-                                     loss=loss, compute_ms=1, payload=payload)
+    outcome = services.result_submit(
+        user=volunteer_user,
+        work_unit_id=work_unit.pk,
+        samples=samples,
+        loss=loss,
+        compute_ms=1,
+        payload=payload,
+    )
     assert not outcome.accepted and outcome.credit_flops == 0 and outcome.reason
     assert not CreditEntry.objects.exists()
     work_unit.refresh_from_db()
@@ -123,8 +139,9 @@ def test_bad_updates_are_rejected_without_credit_and_reissued(
     assert services.work_units_feed(project_id=mlp_project.pk) == 1  # the slice is handed out again
 
 
-def test_full_round_steps_exactly_like_torch_sgd(mlp_project: Project, volunteer_user: User,
-                                                 other_volunteer: User) -> None:
+def test_full_round_steps_exactly_like_torch_sgd(
+    mlp_project: Project, volunteer_user: User, other_volunteer: User
+) -> None:
     v0 = mlp_project.current_version()
     grads = []
     for user in (volunteer_user, other_volunteer):
@@ -179,8 +196,9 @@ def test_expired_work_is_reissued(mlp_project: Project, volunteer_user: User) ->
     assert services.work_units_feed(project_id=mlp_project.pk) == 1
 
 
-def test_released_work_goes_back_to_the_pool(mlp_project: Project, volunteer_user: User,
-                                             other_volunteer: User) -> None:
+def test_released_work_goes_back_to_the_pool(
+    mlp_project: Project, volunteer_user: User, other_volunteer: User
+) -> None:
     work_unit = services.work_unit_assign(user=volunteer_user)
     assert work_unit is not None
     assert services.work_units_release(user=other_volunteer, work_unit_ids=[work_unit.pk]) == 0
@@ -213,4 +231,21 @@ def test_training_through_the_services_learns_digits(mlp_project: Project, volun
     assert version.number == 60
     assert services.version_evaluate(version_id=version.pk)["test_accuracy"] > 0.8
     ledger = sum(CreditEntry.objects.values_list("flops", flat=True))
-    assert ledger == Volunteer.objects.get(user=volunteer_user).total_flops == 120 * 50 * mlp_project.flops_per_sample
+    assert (
+        ledger
+        == Volunteer.objects.get(user=volunteer_user).total_flops
+        == 120 * 50 * mlp_project.flops_per_sample
+    )
+
+
+def test_oversize_updates_are_refused_before_decoding(
+    mlp_project: Project, volunteer_user: User, settings
+) -> None:  # type: ignore[no-untyped-def]
+    settings.CROWDTRAIN = {**settings.CROWDTRAIN, "MAX_RESULT_BYTES": 1000}
+    work_unit = services.work_unit_assign(user=volunteer_user)
+    assert work_unit is not None
+    with pytest.raises(ResultError) as refused:
+        submit(volunteer_user, work_unit)
+    assert refused.value.code == "too_large"
+    work_unit.refresh_from_db()
+    assert work_unit.status == WorkUnit.Status.ASSIGNED and not Result.objects.exists()

@@ -82,12 +82,9 @@ def test_honest_volunteers_are_accepted_credited_and_train_the_model(stack: Stac
                 volunteer(stack, "sim-honest-2", max_work_units=10))
 
     for s in stats:
-        assert s.work_units == 10 and s.rejected == 0 and 1 <= s.accepted <= 10, s
-        # Credit is exactly server-side FLOPs x samples of the accepted results, in the ledger...
-        credited = ledger(stack, s.username)
-        assert credited == accepted_samples_times_flops(stack, s.username) > 0
-        # ...and the acks told the volunteer the same, unless a dropped connection swallowed an ack.
-        assert s.credit_flops == credited if s.reconnects == 0 else s.credit_flops <= credited, s
+        assert (s.work_units, s.accepted, s.rejected, s.reconnects) == (10, 10, 0, 0), s
+        # Credit is server-side FLOPs x samples of the accepted results, in the ledger and in the acks.
+        assert s.credit_flops == ledger(stack, s.username) == accepted_samples_times_flops(stack, s.username)
         assert s.bytes_received > 0 and s.bytes_sent > 0 and s.compute_seconds > 0
     assert latest_version(stack) >= 1
 
@@ -95,12 +92,11 @@ def test_honest_volunteers_are_accepted_credited_and_train_the_model(stack: Stac
 def test_nan_updates_are_rejected_and_earn_nothing(stack: Stack) -> None:
     (stats,) = run(stack, volunteer(stack, "sim-nan", max_work_units=3, byzantine="nan"))
 
-    assert (stats.work_units, stats.accepted, stats.credit_flops) == (3, 0, 0) and stats.rejected >= 1
-    assert stats.rejected == 3 or stats.reconnects > 0, stats  # only a lost connection loses an ack
+    assert (stats.work_units, stats.accepted, stats.rejected, stats.credit_flops) == (3, 0, 3, 0), stats
     assert all("NaN or infinite" in reason for reason in stats.reasons), stats.reasons
     assert ledger(stack, "sim-nan") == 0
     assert results(stack, "sim-nan", "accepted") == 0
-    assert results(stack, "sim-nan", "rejected") >= stats.rejected
+    assert results(stack, "sim-nan", "rejected") == 3
 
 
 def test_sign_flipped_updates_are_not_detected_yet(stack: Stack) -> None:
@@ -111,11 +107,9 @@ def test_sign_flipped_updates_are_not_detected_yet(stack: Stack) -> None:
     assert stats.accepted == 2 and stats.credit_flops == ledger(stack, "sim-flip") > 0
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "platform bug: redis-py 8 defaults socket_timeout to 5 s, the same as channels_redis's BZPOPMIN "
-    "timeout, so an idle consumer's channel-layer read times out and daphne drops the socket; fix: "
-    "CHANNEL_LAYERS hosts=[{'address': REDIS_URL, 'socket_timeout': None}] (or > 5) in settings.py"))
 def test_an_idle_volunteer_keeps_its_connection(stack: Stack) -> None:
+    """Regression: with redis-py 8 (socket_timeout 5 s = channels_redis's BZPOPMIN timeout) the
+    consumer's channel-layer read timed out and daphne dropped quiet sockets (requirements.txt pin)."""
     simulator = Simulator(volunteer(stack, "sim-idle"))
 
     async def scenario() -> dict[str, Any]:
@@ -125,7 +119,7 @@ def test_an_idle_volunteer_keeps_its_connection(stack: Stack) -> None:
         async with connect(ws_url, additional_headers=headers, origin=Origin(stack.url)) as ws:
             await ws.send(json.dumps({"type": "hello", "protocol": 1, "device": {"backend": "simulator"}}))
             await ws.recv()
-            await asyncio.sleep(15)  # a volunteer computing a long work unit sends nothing for a while
+            await asyncio.sleep(20)  # a volunteer computing a long work unit sends nothing for a while
             await ws.send(json.dumps({"type": "ready"}))
             return dict(json.loads(await ws.recv()))
 

@@ -18,12 +18,21 @@ from crowdtrain.supervisor import Child, emit
 ANY_ADDRESS = {"0.0.0.0", "::", ""}
 
 
+def daphne_limits() -> list[str]:
+    # Results arrive as one binary WebSocket frame; daphne's 1 MiB default would drop larger models' updates.
+    size = str(settings.CROWDTRAIN["MAX_RESULT_BYTES"] + 2**20)
+    return ["--websocket-max-message-size", size, "--websocket-max-frame-size", size]
+
+
 def platform_children(host: str, port: int, beat_schedule: Path) -> list[Child]:
     """daphne, a celery worker and celery beat, all run by this very interpreter."""
     python = [sys.executable, "-m"]
     celery = [*python, "celery", "-A", "crowdtrain"]
     return [
-        Child("web", [*python, "daphne", "-b", host, "-p", str(port), "crowdtrain.asgi:application"]),
+        Child(
+            "web",
+            [*python, "daphne", "-b", host, "-p", str(port), *daphne_limits(), "crowdtrain.asgi:application"],
+        ),
         Child("worker", [*celery, "worker", "--pool", "solo", "--concurrency", "1", "-l", "info"]),
         Child("beat", [*celery, "beat", "-l", "info", "-s", str(beat_schedule)]),
     ]

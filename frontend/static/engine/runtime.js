@@ -1,5 +1,5 @@
 // Interpreter of crowdtrain.graph (docs/graph-format.md) over TensorFlow.js.
-// Every tensor keeps PyTorch's layout (NCHW); TF.js is NHWC, so conv/pool transpose around the kernel.
+// Every tensor keeps PyTorch's layout (NCHW); TF.js convs are NHWC, so conv transposes around the kernel.
 // Classic script: attaches to self.crowdtrain.runtime; needs the global `tf`.
 (function (ns) {
   "use strict";
@@ -39,34 +39,40 @@
   }
 
   // TF.js conv2d has no `groups`: run one convolution per group.
-  function groupedConv(xh, f, groups, strides) {
-    if (groups === 1) return tf.conv2d(xh, f, strides, "valid");
+  function groupedConv(xh, f, groups, strides, pad) {
     const xs = tf.split(xh, groups, 3);
     const fs = tf.split(f, groups, 3);
-    return tf.concat(xs.map((x, i) => tf.conv2d(x, fs[i], strides, "valid")), 3);
+    return tf.concat(xs.map((x, i) => tf.conv2d(x, fs[i], strides, pad)), 3);
   }
 
+  // Zero padding goes to the conv kernel itself (explicit padding): a separate tf.pad would cost a
+  // copy forward and a slice backward. The bias is added in NHWC by the fused kernel, where it is a
+  // last-axis add, instead of a [1, C, 1, 1] broadcast after the transpose back.
   function conv2d([x, w, b], a) {
     const [ph, pw] = pair(a.padding, 0);
     const [dh, dw] = pair(a.dilation, 1);
-    let xh = toNHWC(x);
-    if (ph || pw) xh = tf.pad(xh, [[0, 0], [ph, ph], [pw, pw], [0, 0]]);
+    const groups = attr(a, "groups", 1), strides = pair(a.stride, 1);
+    const pad = [[0, 0], [ph, ph], [pw, pw], [0, 0]];
+    const xh = toNHWC(x);
     const f = dilateKernel(tf.transpose(w, [2, 3, 1, 0]), dh, dw); // OIHW -> HWIO
-    let y = toNCHW(groupedConv(xh, f, attr(a, "groups", 1), pair(a.stride, 1)));
-    if (b) y = tf.add(y, b.reshape([1, -1, 1, 1]));
-    return y;
+    if (groups === 1) return toNCHW(tf.fused.conv2d({ x: xh, filter: f, strides, pad, bias: b || undefined }));
+    const y = toNCHW(groupedConv(xh, f, groups, strides, pad));
+    return b ? tf.add(y, b.reshape([1, -1, 1, 1])) : y;
   }
 
+  // Pooling windows never mix channels, so NCHW [N, C, H, W] is pooled as NHWC [N*C, H, W, 1]: a
+  // free reshape instead of a transpose on each side (forward and backward).
   function pool2d(kind) {
     return ([x], a) => {
       const k = pair(a.kernel_size);
       const s = pair(a.stride, k); // torch: stride defaults to kernel_size
       const [ph, pw] = pair(a.padding, 0);
-      let xh = toNHWC(x);
+      const [n, c, h, w] = x.shape;
+      let xh = x.reshape([n * c, h, w, 1]);
       // avg: torch counts the zero padding (count_include_pad=True); max: padding never wins.
       if (ph || pw) xh = tf.pad(xh, [[0, 0], [ph, ph], [pw, pw], [0, 0]], kind === "max" ? FLOAT32_LOWEST : 0);
       const y = kind === "max" ? tf.maxPool(xh, k, s, "valid") : tf.avgPool(xh, k, s, "valid");
-      return toNCHW(y);
+      return y.reshape([n, c, y.shape[1], y.shape[2]]);
     };
   }
 
@@ -107,10 +113,13 @@
           tf.add(tf.mul(runVar, 1 - momentum), tf.mul(variance, (momentum * n) / Math.max(n - 1, 1))));
       }
     }
-    let y = tf.mul(tf.sub(x, mean.reshape(shape)), tf.rsqrt(tf.add(variance, eps)).reshape(shape));
-    if (w) y = tf.mul(y, w.reshape(shape));
-    if (b) y = tf.add(y, b.reshape(shape));
-    return y;
+    // y = x * scale + shift with per-channel scale = w / sqrt(var + eps), shift = b - mean * scale: the
+    // form torch's own kernel uses, and two full-size ops (and their gradients) instead of four.
+    // (tf.batchNorm would be one kernel, but its gradient assumes channels last.)
+    const inv = tf.rsqrt(tf.add(variance, eps));
+    const scale = w ? tf.mul(inv, w) : inv;
+    const shift = b ? tf.sub(b, tf.mul(mean, scale)) : tf.neg(tf.mul(mean, scale));
+    return tf.add(tf.mul(x, scale.reshape(shape)), shift.reshape(shape));
   }
 
   function layerNorm([x, w, b], a) {
@@ -170,6 +179,16 @@
     return target.every((d, i) => d === t.shape[i]) && t.rank === target.length ? t : tf.broadcastTo(t, target);
   }
 
+  // The fused kernel adds the bias within the matmul's own pass. Not on wasm: its fused matmul adds
+  // the bias wrongly when transposeB is set (tfjs 4.22), and there a separate add costs little anyway.
+  function linear([x, w, b]) {
+    const a = x.reshape([-1, w.shape[1]]);
+    let y;
+    if (b && tf.getBackend() !== "wasm") y = tf.fused.matMul({ a, b: w, transposeB: true, bias: b });
+    else y = b ? tf.add(tf.matMul(a, w, false, true), b) : tf.matMul(a, w, false, true);
+    return y.reshape([...x.shape.slice(0, -1), w.shape[0]]);
+  }
+
   // ---- activations, attention ----------------------------------------------------------------------
   function logSoftmax(x, dim) {
     return tf.sub(x, tf.logSumExp(x, axis(dim, x.rank), true));
@@ -213,11 +232,7 @@
 
   // ---- op table -----------------------------------------------------------------------------------
   const OPS = {
-    linear: ([x, w, b]) => {
-      let y = tf.matMul(x.reshape([-1, w.shape[1]]), w, false, true);
-      if (b) y = tf.add(y, b);
-      return y.reshape([...x.shape.slice(0, -1), w.shape[0]]);
-    },
+    linear,
     conv2d,
     batch_norm: batchNorm,
     layer_norm: layerNorm,
@@ -251,9 +266,10 @@
   // Class dim is last: logits [N,C] with targets [N], or [N,T,C] with [N,T]; mean over all positions.
   function crossEntropy([logits, target]) {
     const c = logits.shape[logits.rank - 1];
-    const logp = logSoftmax(logits.reshape([-1, c]), 1);
-    const picked = tf.sum(tf.mul(logp, tf.oneHot(target.reshape([-1]).toInt(), c)), 1);
-    return tf.neg(tf.mean(picked));
+    // tf.losses' version has a custom gradient (softmax - onehot): fewer kernels than autodiff of
+    // log_softmax, same value.
+    const onehot = tf.oneHot(target.reshape([-1]).toInt(), c);
+    return tf.losses.softmaxCrossEntropy(onehot, logits.reshape([-1, c]), undefined, 0, tf.Reduction.MEAN);
   }
 
   const LOSSES = {

@@ -1,0 +1,139 @@
+// Hand-written TF.js versions of the mlp, cnn and resnet18 presets: what a TF.js developer would write
+// for the same architecture (NHWC layout, [in, out] dense kernels, tf.fused matMul/conv2d as tf.layers
+// uses them, tf.batchNorm), loaded with the preset's own weights converted once. This is the yardstick
+// the graph interpreter is measured against, so it must stay an honest, idiomatic implementation.
+// Classic script: attaches to self.handwritten; needs the global `tf`.
+(function (ns) {
+  "use strict";
+
+  // ---- weight conversion (once, at load) ----------------------------------------------------------
+  function tensorOf(weights, name) {
+    const w = weights[name];
+    if (!w) throw new Error(`handwritten: missing weight ${name}`);
+    return tf.tensor(w.data, w.shape, "float32");
+  }
+
+  // torch [out, in] -> dense kernel [in, out]; OIHW -> HWIO.
+  const denseKernel = (t) => tf.transpose(t);
+  const convKernel = (t) => tf.transpose(t, [2, 3, 1, 0]);
+
+  // A torch Linear that follows a torch.flatten of [C, H, W]: reorder its input rows to NHWC's (H, W, C).
+  function flattenedKernel(t, [c, h, w]) {
+    return tf.tidy(() => tf.transpose(t.reshape([t.shape[0], c, h, w]), [2, 3, 1, 0]).reshape([h * w * c, -1]));
+  }
+
+  // Converted tensors -> tf.Variables (trainable or not), keyed by the torch name.
+  function variables(specs, trainable) {
+    const out = {};
+    for (const [name, t] of Object.entries(specs)) {
+      out[name] = tf.variable(t, trainable);
+      t.dispose();
+    }
+    return out;
+  }
+
+  // ---- layers -------------------------------------------------------------------------------------
+  const dense = (x, p, name, activation = "linear") =>
+    tf.fused.matMul({ a: x, b: p[`${name}.weight`], bias: p[`${name}.bias`], activation });
+
+  function conv(x, p, name, stride, pad, activation = "linear") {
+    const bias = p[`${name}.bias`]; // undefined for bias-free convs
+    return tf.fused.conv2d({ x, filter: p[`${name}.weight`], strides: stride, pad, bias, activation });
+  }
+
+  // Training-mode batch norm over N, H, W; running stats as torch keeps them (unbiased variance).
+  function batchNorm(x, p, b, name, training, updates) {
+    const rm = b[`${name}.running_mean`], rv = b[`${name}.running_var`];
+    if (!training) return tf.batchNorm(x, rm, rv, p[`${name}.bias`], p[`${name}.weight`], 1e-5);
+    const { mean, variance } = tf.moments(x, [0, 1, 2]);
+    const n = x.size / x.shape[3];
+    updates.push([rm, tf.add(tf.mul(rm, 0.9), tf.mul(mean, 0.1))]);
+    updates.push([rv, tf.add(tf.mul(rv, 0.9), tf.mul(variance, (0.1 * n) / (n - 1)))]);
+    return tf.batchNorm(x, mean, variance, p[`${name}.bias`], p[`${name}.weight`], 1e-5);
+  }
+
+  // ---- models: {params, buffers, forward(x, training, updates) -> logits} ---------------------------
+  function mlp(weights) {
+    const params = variables({
+      "fc1.weight": denseKernel(tensorOf(weights, "fc1.weight")), "fc1.bias": tensorOf(weights, "fc1.bias"),
+      "fc2.weight": denseKernel(tensorOf(weights, "fc2.weight")), "fc2.bias": tensorOf(weights, "fc2.bias"),
+    }, true);
+    const forward = (x) => dense(dense(x, params, "fc1", "relu"), params, "fc2");
+    return { params, buffers: {}, forward };
+  }
+
+  function cnn(weights) {
+    const params = variables({
+      "conv1.weight": convKernel(tensorOf(weights, "conv1.weight")), "conv1.bias": tensorOf(weights, "conv1.bias"),
+      "conv2.weight": convKernel(tensorOf(weights, "conv2.weight")), "conv2.bias": tensorOf(weights, "conv2.bias"),
+      "fc1.weight": flattenedKernel(tensorOf(weights, "fc1.weight"), [32, 7, 7]),
+      "fc1.bias": tensorOf(weights, "fc1.bias"),
+      "fc2.weight": denseKernel(tensorOf(weights, "fc2.weight")), "fc2.bias": tensorOf(weights, "fc2.bias"),
+    }, true);
+    function forward(x, training) {
+      let h = tf.maxPool(conv(x, params, "conv1", 1, "same", "relu"), 2, 2, "valid");
+      h = tf.maxPool(conv(h, params, "conv2", 1, "same", "relu"), 2, 2, "valid");
+      h = dense(h.reshape([h.shape[0], -1]), params, "fc1", "relu");
+      return dense(training ? tf.dropout(h, 0.25) : h, params, "fc2");
+    }
+    return { params, buffers: {}, forward };
+  }
+
+  // Torch names of the 8 BasicBlocks of the CIFAR ResNet-18 preset: [prefix, stride, has shortcut conv].
+  const RESNET_BLOCKS = [[1, false], [1, false], [2, true], [1, false], [2, true], [1, false], [2, true], [1, false]]
+    .map(([stride, shortcut], i) => [`layers.${i}`, stride, shortcut]);
+
+  function resnet18(weights) {
+    const p = {}, b = {};
+    for (const [name, w] of Object.entries(weights)) {
+      if (name.endsWith("running_mean") || name.endsWith("running_var")) b[name] = tensorOf(weights, name);
+      else if (w.shape.length === 4) p[name] = convKernel(tensorOf(weights, name));
+      else if (name === "fc.weight") p[name] = denseKernel(tensorOf(weights, name));
+      else p[name] = tensorOf(weights, name);
+    }
+    const params = variables(p, true), buffers = variables(b, false);
+    const convBn = (x, conv_, bn, stride, pad, training, updates) =>
+      batchNorm(conv(x, params, conv_, stride, pad), params, buffers, bn, training, updates);
+
+    function block(x, [prefix, stride, shortcut], training, updates) {
+      let h = tf.relu(convBn(x, `${prefix}.conv1`, `${prefix}.bn1`, stride, 1, training, updates));
+      h = convBn(h, `${prefix}.conv2`, `${prefix}.bn2`, 1, 1, training, updates);
+      const skip = shortcut
+        ? convBn(x, `${prefix}.shortcut.0`, `${prefix}.shortcut.1`, stride, 0, training, updates) : x;
+      return tf.relu(tf.add(h, skip));
+    }
+
+    function forward(x, training, updates = []) {
+      let h = tf.relu(convBn(x, "conv1", "bn1", 1, 1, training, updates));
+      for (const spec of RESNET_BLOCKS) h = block(h, spec, training, updates);
+      return dense(tf.mean(h, [1, 2]), params, "fc");
+    }
+    return { params, buffers, forward };
+  }
+
+  // ---- one training step: forward + backward (tf.variableGrads) + SGD, running stats assigned --------
+  function trainer(model, lr) {
+    const optimizer = tf.train.sgd(lr);
+    const trainable = Object.values(model.params);
+    function step(x, oneHot) {
+      let updates = [];
+      const { value, grads } = tf.variableGrads(() => {
+        const pending = [];
+        const logits = model.forward(x, true, pending);
+        updates = pending.map(([v, t]) => [v, tf.keep(t)]);
+        return tf.losses.softmaxCrossEntropy(oneHot, logits);
+      }, trainable);
+      optimizer.applyGradients(grads);
+      for (const [v, t] of updates) { v.assign(t); t.dispose(); }
+      tf.dispose(Object.values(grads));
+      return value;
+    }
+    return { step, dispose: () => optimizer.dispose() };
+  }
+
+  function dispose(model) {
+    tf.dispose([...Object.values(model.params), ...Object.values(model.buffers)]);
+  }
+
+  ns.handwritten = { models: { mlp, cnn, resnet18 }, trainer, dispose };
+})(self);
