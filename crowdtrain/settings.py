@@ -135,7 +135,7 @@ CELERY_WORKER_PREFETCH_MULTIPLIER = 1
 CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
 CELERY_BEAT_SCHEDULE = {
     "feed-work-units": {"task": "projects.tasks.feed_work_units", "schedule": 5.0},
-    "expire-work-units": {"task": "projects.tasks.expire_work_units", "schedule": 10.0},
+    "transition": {"task": "projects.tasks.transition", "schedule": 5.0},
     "evaluate-projects": {"task": "projects.tasks.evaluate_projects", "schedule": 15.0},
 }
 

@@ -23,8 +23,11 @@ def safe_attr(name: str) -> str:
 
 
 def as_graph(graph: Graph | Mapping[str, Any] | str | bytes) -> Graph:
-    return graph if isinstance(graph, Graph) else load_graph(dict(graph) if isinstance(
-        graph, Mapping) else graph)
+    return (
+        graph
+        if isinstance(graph, Graph)
+        else load_graph(dict(graph) if isinstance(graph, Mapping) else graph)
+    )
 
 
 def _cast(value: Tensor, spec: TensorSpec) -> Tensor:
@@ -59,8 +62,9 @@ class GraphModule(nn.Module):
                 raise KeyError(f"missing weight '{spec.name}'")
             value = torch.as_tensor(weights[spec.name])
             if tuple(value.shape) != spec.shape:
-                raise ValueError(f"weight '{spec.name}' has shape {tuple(value.shape)}, "
-                                 f"expected {spec.shape}")
+                raise ValueError(
+                    f"weight '{spec.name}' has shape {tuple(value.shape)}, expected {spec.shape}"
+                )
             with torch.no_grad():
                 self._tensor(spec.name).copy_(value)
 
@@ -112,9 +116,12 @@ class GradientResult:
     buffers: dict[str, Tensor]
 
 
-def compute_gradients(graph: Graph | Mapping[str, Any], weights: Mapping[str, Tensor],
-                      inputs: Mapping[str, Tensor], targets: Mapping[str, Tensor]
-                      ) -> GradientResult:
+def compute_gradients(
+    graph: Graph | Mapping[str, Any],
+    weights: Mapping[str, Tensor],
+    inputs: Mapping[str, Tensor],
+    targets: Mapping[str, Tensor],
+) -> GradientResult:
     """Gradient of the batch-mean loss (train mode), plus the buffers after the step's updates."""
     module = GraphModule(graph)
     module.load_state(weights)
@@ -126,14 +133,53 @@ def compute_gradients(graph: Graph | Mapping[str, Any], weights: Mapping[str, Te
     return GradientResult(module.grads(), float(loss.detach()), buffers)
 
 
+@dataclass(frozen=True)
+class LocalResult:
+    delta: dict[str, Tensor]  # params before minus params after, per param name
+    loss: float  # mean training loss over the slice
+    buffers: dict[str, Tensor]
+
+
+def local_steps(
+    graph: Graph | Mapping[str, Any],
+    weights: Mapping[str, Tensor],
+    inputs: Mapping[str, Tensor],
+    targets: Mapping[str, Tensor],
+    batch_size: int,
+    lr: float,
+    momentum: float,
+) -> LocalResult:
+    """One pass over the slice in mini-batches with torch.optim.SGD, as browsers do in averaging mode."""
+    module = GraphModule(graph)
+    module.load_state(weights)
+    module.train()
+    optimizer = torch.optim.SGD(module.parameters(), lr=lr, momentum=momentum)
+    n = len(next(iter(inputs.values())))
+    total = 0.0
+    for start in range(0, n, batch_size):
+        x, y = _slice(inputs, start, start + batch_size), _slice(targets, start, start + batch_size)
+        optimizer.zero_grad()
+        loss = module.loss(module({**y, **x}), y)
+        torch.autograd.backward(loss)
+        optimizer.step()
+        total += float(loss.detach()) * min(batch_size, n - start)
+    state = module.state()
+    delta = {s.name: torch.as_tensor(weights[s.name]) - state[s.name] for s in module.graph.params}
+    return LocalResult(delta, total / max(n, 1), {s.name: state[s.name] for s in module.graph.buffers})
+
+
 def _slice(batch: Mapping[str, Tensor], start: int, stop: int) -> dict[str, Tensor]:
     return {k: torch.as_tensor(v)[start:stop] for k, v in batch.items()}
 
 
 @torch.no_grad()
-def evaluate(graph: Graph | Mapping[str, Any], weights: Mapping[str, Tensor],
-             inputs: Mapping[str, Tensor], targets: Mapping[str, Tensor],
-             batch_size: int = 1000) -> dict[str, float]:
+def evaluate(
+    graph: Graph | Mapping[str, Any],
+    weights: Mapping[str, Tensor],
+    inputs: Mapping[str, Tensor],
+    targets: Mapping[str, Tensor],
+    batch_size: int = 1000,
+) -> dict[str, float]:
     """Mean loss (and accuracy for cross_entropy) over the whole set, eval mode, in chunks."""
     module = GraphModule(graph)
     module.load_state(weights)

@@ -357,13 +357,14 @@ class WorkUnitAdmin(ReadOnlyAdmin):
         "status",
         "offset",
         "count",
-        "assigned_to",
-        "deadline",
+        "wanted",
+        "total_results",
+        "error_results",
         "created_at",
     ]
     list_filter = ["status", ("project", admin.RelatedOnlyFieldListFilter)]
-    list_select_related = ["project", "version", "assigned_to"]
-    raw_id_fields = ["version", "shard", "assigned_to"]
+    list_select_related = ["project", "version"]
+    raw_id_fields = ["version", "shard"]
 
     @admin.display(description="version", ordering="version__number")
     def version_number(self, work_unit: WorkUnit) -> int:
@@ -378,16 +379,24 @@ class ResultAdmin(ReadOnlyAdmin):
         "work_unit",
         "volunteer",
         "status",
+        "validation",
+        "spot_checked",
         "samples",
         "loss",
         "compute_ms",
         "aggregated",
-        "created_at",
+        "sent_at",
     ]
-    list_filter = ["status", "aggregated", ("work_unit__project", admin.RelatedOnlyFieldListFilter)]
+    list_filter = [
+        "status",
+        "validation",
+        "spot_checked",
+        "aggregated",
+        ("work_unit__project", admin.RelatedOnlyFieldListFilter),
+    ]
     list_select_related = ["work_unit__project", "work_unit__version", "volunteer"]
     search_fields = ["volunteer__username", "reason"]
-    raw_id_fields = ["work_unit", "volunteer", "blob"]
+    raw_id_fields = ["work_unit", "volunteer", "blob", "device"]
 
 
 @admin.register(Metric)

@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-from datetime import timedelta
 from pathlib import Path
 
 from django.conf import settings
 from django.db import models
-from django.utils import timezone
 
 
 class Blob(models.Model):
@@ -70,7 +68,19 @@ class Project(models.Model):
         FINISHED = "finished"
 
     class Mode(models.TextChoices):
-        SYNC_SGD = "sync_sgd", "Synchronous SGD"
+        SYNC_SGD = "sync_sgd", "Synchronous SGD (gradients, one server step per round)"
+        AVERAGING = "averaging", "Averaging (local steps, outer optimizer on averaged deltas)"
+        ASYNC_SGD = "async_sgd", "Asynchronous SGD (applied on arrival, staleness-weighted)"
+
+    class Codec(models.TextChoices):
+        FP32 = "fp32"
+        FP16 = "fp16"
+        INT8 = "int8", "int8 (blockwise, with error feedback)"
+
+    class Aggregator(models.TextChoices):
+        MEAN = "mean", "Mean weighted by samples"
+        TRIMMED_MEAN = "trimmed_mean", "Trimmed mean (drops the extremes per coordinate)"
+        MEDIAN = "median", "Coordinate-wise median"
 
     owner = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="projects")
     name = models.CharField(max_length=200, unique=True)
@@ -81,11 +91,43 @@ class Project(models.Model):
     graph = models.ForeignKey(Blob, on_delete=models.PROTECT, related_name="+")
     flops_per_sample = models.BigIntegerField(help_text="Forward + backward FLOPs for one training sample.")
     mode = models.CharField(max_length=20, choices=Mode.choices, default=Mode.SYNC_SGD)
-    learning_rate = models.FloatField(default=0.1)
-    momentum = models.FloatField(default=0.9)
+    codec = models.CharField(
+        max_length=10,
+        choices=Codec.choices,
+        default=Codec.INT8,
+        help_text="How volunteers compress their updates on the wire.",
+    )
+    aggregator = models.CharField(max_length=20, choices=Aggregator.choices, default=Aggregator.MEAN)
+    learning_rate = models.FloatField(
+        default=0.1, help_text="Server learning rate (outer rate in averaging)."
+    )
+    momentum = models.FloatField(
+        default=0.9, help_text="Server momentum (outer Nesterov momentum in averaging)."
+    )
     weight_decay = models.FloatField(default=0.0)
-    batch_size = models.PositiveIntegerField(default=64, help_text="Samples in one work unit.")
-    round_samples = models.PositiveIntegerField(default=256, help_text="Samples averaged per server step.")
+    local_learning_rate = models.FloatField(default=0.05, help_text="Averaging: the browsers' SGD rate.")
+    local_momentum = models.FloatField(default=0.9, help_text="Averaging: the browsers' SGD momentum.")
+    batch_size = models.PositiveIntegerField(
+        default=64, help_text="Largest work unit in samples (and the browsers' mini-batch in averaging)."
+    )
+    round_samples = models.PositiveIntegerField(
+        default=256, help_text="Samples per server step: the round size, or the target batch size."
+    )
+    round_timeout = models.PositiveIntegerField(
+        default=60, help_text="Seconds after which a round closes with whatever valid results arrived."
+    )
+    staleness_bound = models.PositiveIntegerField(
+        default=4, help_text="Async: results computed on a version this many steps old or more are dropped."
+    )
+    target_seconds = models.PositiveIntegerField(
+        default=20, help_text="Work units are sized to take this long."
+    )
+    spot_check_rate = models.FloatField(
+        default=0.1, help_text="Share of trusted volunteers' results recomputed on the server."
+    )
+    trust_threshold = models.PositiveIntegerField(
+        default=5, help_text="Consecutive valid results after which a volunteer is trusted."
+    )
     max_versions = models.PositiveIntegerField(default=100000, help_text="Stop after this many steps.")
     priority = models.PositiveIntegerField(default=1)
     # Next training sample to hand out; work units walk the training split in order, epoch after epoch.
@@ -99,11 +141,20 @@ class Project(models.Model):
     def is_running(self) -> bool:
         return self.status == self.Status.RUNNING
 
+    @property
+    def task(self) -> str:
+        return "local_steps" if self.mode == self.Mode.AVERAGING else "gradient"
+
     def current_version(self) -> ModelVersion:
         return self.versions.order_by("-number").first()  # type: ignore[return-value]
 
-    def work_units_per_round(self) -> int:
-        return -(-self.round_samples // self.batch_size)
+    def work_unit_samples(self, *, gflops: float) -> int:
+        """Samples a device of `gflops` computes in about `target_seconds` (1 to batch_size)."""
+        fits = int(self.target_seconds * gflops * 1e9 / max(self.flops_per_sample, 1))
+        return max(1, min(self.batch_size, fits))
+
+    def staleness_weight(self, *, staleness: int) -> float:
+        return 1.0 / (1 + staleness) if staleness < self.staleness_bound else 0.0
 
 
 class ModelVersion(models.Model):
@@ -126,24 +177,27 @@ class ModelVersion(models.Model):
 
 
 class WorkUnit(models.Model):
+    """A slice of training data on one model version (BOINC's workunit); results are its instances."""
+
     class Status(models.TextChoices):
-        READY = "ready"
-        ASSIGNED = "assigned"
-        DONE = "done"
+        OPEN = "open"
+        VALIDATED = "validated"
+        ERRORED = "errored"
         CANCELLED = "cancelled"
-        EXPIRED = "expired"
 
     project = models.ForeignKey(Project, on_delete=models.CASCADE, related_name="work_units")
     version = models.ForeignKey(ModelVersion, on_delete=models.CASCADE, related_name="work_units")
     shard = models.ForeignKey(DatasetShard, on_delete=models.PROTECT, related_name="+")
     offset = models.PositiveIntegerField()
     count = models.PositiveIntegerField()
-    status = models.CharField(max_length=10, choices=Status.choices, default=Status.READY, db_index=True)
-    assigned_to = models.ForeignKey(
-        settings.AUTH_USER_MODEL, on_delete=models.SET_NULL, null=True, blank=True, related_name="work_units"
-    )
-    assigned_at = models.DateTimeField(null=True, blank=True)
-    deadline = models.DateTimeField(null=True, blank=True)
+    status = models.CharField(max_length=10, choices=Status.choices, default=Status.OPEN, db_index=True)
+    # Instances still to send: target results minus those in flight or received. Kept as a counter so the
+    # scheduler can lock candidate rows (FOR UPDATE SKIP LOCKED) without a GROUP BY.
+    wanted = models.PositiveSmallIntegerField(default=1)
+    max_error_results = models.PositiveSmallIntegerField(default=3)
+    max_total_results = models.PositiveSmallIntegerField(default=6)
+    error_results = models.PositiveSmallIntegerField(default=0)
+    total_results = models.PositiveSmallIntegerField(default=0)
     created_at = models.DateTimeField(auto_now_add=True)
 
     class Meta:
@@ -152,36 +206,66 @@ class WorkUnit(models.Model):
     def __str__(self) -> str:
         return f"WU {self.pk} ({self.project}, v{self.version.number}, {self.status})"
 
-    def assign(self, user: models.Model, seconds: int) -> None:
-        self.status = self.Status.ASSIGNED
-        self.assigned_to = user  # type: ignore[assignment]
-        self.assigned_at = timezone.now()
-        self.deadline = self.assigned_at + timedelta(seconds=seconds)
+    @property
+    def is_open(self) -> bool:
+        return self.status == self.Status.OPEN
 
-    def is_open_for(self, user: models.Model) -> bool:
-        return self.status == self.Status.ASSIGNED and self.assigned_to_id == user.pk
+    def record_failure(self) -> None:
+        """An instance timed out or was invalid: send another, unless this slice keeps failing."""
+        self.error_results += 1
+        if self.error_results >= self.max_error_results or self.total_results >= self.max_total_results:
+            self.status = self.Status.ERRORED
+        else:
+            self.wanted += 1
 
 
 class Result(models.Model):
+    """One instance of a work unit sent to one volunteer (BOINC's result)."""
+
     class Status(models.TextChoices):
-        ACCEPTED = "accepted"
-        REJECTED = "rejected"
+        IN_PROGRESS = "in_progress"
+        RECEIVED = "received"
+        TIMED_OUT = "timed_out"
+        CANCELLED = "cancelled"
+        RELEASED = "released"
+
+    class Validation(models.TextChoices):
+        PENDING = "pending"
+        VALID = "valid"
+        INVALID = "invalid"
 
     work_unit = models.ForeignKey(WorkUnit, on_delete=models.CASCADE, related_name="results")
     volunteer = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="results")
-    blob = models.ForeignKey(Blob, on_delete=models.PROTECT, related_name="+", null=True, blank=True)
-    status = models.CharField(max_length=10, choices=Status.choices)
+    device = models.ForeignKey("workers.Device", on_delete=models.SET_NULL, null=True, blank=True)
+    status = models.CharField(
+        max_length=12, choices=Status.choices, default=Status.IN_PROGRESS, db_index=True
+    )
+    validation = models.CharField(max_length=10, choices=Validation.choices, default=Validation.PENDING)
     reason = models.CharField(max_length=200, blank=True)
-    samples = models.PositiveIntegerField()
+    spot_checked = models.BooleanField(default=False)
+    sent_at = models.DateTimeField(auto_now_add=True)
+    deadline = models.DateTimeField()
+    received_at = models.DateTimeField(null=True, blank=True)
+    blob = models.ForeignKey(Blob, on_delete=models.PROTECT, related_name="+", null=True, blank=True)
+    samples = models.PositiveIntegerField(default=0)
     loss = models.FloatField(null=True, blank=True)
     compute_ms = models.PositiveIntegerField(default=0)
+    download_ms = models.PositiveIntegerField(default=0)
+    update_norm = models.FloatField(null=True, blank=True)
     aggregated = models.BooleanField(default=False)
-    created_at = models.DateTimeField(auto_now_add=True)
 
     class Meta:
         constraints = [
             models.UniqueConstraint(fields=["work_unit", "volunteer"], name="one_result_per_volunteer")
         ]
+        indexes = [models.Index(fields=["status", "deadline"])]
+
+    def __str__(self) -> str:
+        return f"result {self.pk} of WU {self.work_unit_id} ({self.status}, {self.validation})"
+
+    @property
+    def is_valid(self) -> bool:
+        return self.validation == self.Validation.VALID
 
 
 class Metric(models.Model):

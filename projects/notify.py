@@ -25,10 +25,35 @@ def feed_requested(*, project_id: int) -> None:
     tasks.feed_project.delay(project_id)
 
 
-def result_accepted(*, project_id: int, version_number: int) -> None:
+def result_received(*, result_id: int) -> None:
     from projects import tasks
 
-    tasks.aggregate_round.delay(project_id, version_number)
+    tasks.validate_result.delay(result_id)
+
+
+def result_decided(*, result_id: int) -> None:
+    """Tell the volunteer how its result was judged; valid results may complete a round."""
+    from projects import tasks
+    from projects.lifecycle import result_outcome
+    from projects.models import Result
+
+    result = Result.objects.select_related("work_unit").get(pk=result_id)
+    outcome = result_outcome(result=result)
+    _group_send(
+        user_group(result.volunteer_id),
+        {
+            "type": "result.decided",
+            "work_unit": outcome.work_unit_id,
+            "status": outcome.status,
+            "reason": outcome.reason,
+            "credit_flops": outcome.credit_flops,
+            "total_credit_flops": outcome.total_credit_flops,
+        },
+    )
+    if result.is_valid:
+        tasks.project_step.delay(result.work_unit.project_id)
+    elif result.validation == Result.Validation.INVALID:
+        work_available()  # its slice is open again
 
 
 def version_published(*, project_id: int, version_id: int, number: int) -> None:

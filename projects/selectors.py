@@ -62,7 +62,7 @@ def project_samples_per_second(*, project: Project, seconds: int = 300) -> float
     """Accepted training samples per second over the last `seconds`."""
     since = timezone.now() - timedelta(seconds=seconds)
     accepted = Result.objects.filter(
-        work_unit__project=project, status=Result.Status.ACCEPTED, created_at__gte=since
+        work_unit__project=project, validation=Result.Validation.VALID, received_at__gte=since
     ).aggregate(samples=Sum("samples"))["samples"]
     return (accepted or 0) / seconds
 

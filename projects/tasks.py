@@ -4,13 +4,13 @@ from __future__ import annotations
 
 from celery import shared_task
 
-from projects import notify, services
+from projects import lifecycle, notify, services, training, validation
 from projects.models import Project
 
 
 @shared_task
 def feed_project(project_id: int) -> int:
-    created = services.work_units_feed(project_id=project_id)
+    created = lifecycle.work_units_feed(project_id=project_id)
     if created:
         notify.work_available()
     return created
@@ -23,16 +23,25 @@ def feed_work_units() -> int:
 
 
 @shared_task
-def expire_work_units() -> int:
-    project_ids = services.work_units_expire()
+def transition() -> int:
+    """The BOINC transitioner: time out late instances, resend their work, close expired rounds."""
+    expired = lifecycle.results_expire()
+    project_ids = set(expired) | set(training.rounds_close_expired())
     for project_id in project_ids:
         feed_project.delay(project_id)
+    if expired:
+        notify.work_available()  # their work units are open again
     return len(project_ids)
 
 
 @shared_task
-def aggregate_round(project_id: int, version_number: int) -> int | None:
-    version = services.version_aggregate(project_id=project_id, version_number=version_number)
+def validate_result(result_id: int) -> str:
+    return str(validation.result_validate(result_id=result_id).validation)
+
+
+@shared_task
+def project_step(project_id: int) -> int | None:
+    version = training.project_step(project_id=project_id)
     return version.number if version else None
 
 

@@ -9,13 +9,15 @@ from channels.db import database_sync_to_async
 from channels.generic.websocket import AsyncWebsocketConsumer
 
 from projects import notify
-from projects.services import (
+from projects.lifecycle import (
+    MAX_IN_FLIGHT,
     ResultError,
-    result_submit,
+    result_receive,
+    results_release,
     work_unit_assign,
-    work_units_release,
 )
 from workers import protocol
+from workers.models import Device
 from workers.protocol import ProtocolError, ResultMeta
 from workers.services import device_register, volunteer_ensure
 
@@ -30,6 +32,7 @@ class VolunteerConsumer(AsyncWebsocketConsumer):
         self.greeted = False
         self.waiting = False
         self.joined = False
+        self.device: Device | None = None
 
     async def connect(self) -> None:
         self.user = self.scope.get("user")
@@ -46,7 +49,7 @@ class VolunteerConsumer(AsyncWebsocketConsumer):
             return
         for group in self._groups():
             await self.channel_layer.group_discard(group, self.channel_name)
-        released = await database_sync_to_async(work_units_release)(
+        released = await database_sync_to_async(results_release)(
             user=self.user, work_unit_ids=list(self.assigned)
         )
         if released:
@@ -74,7 +77,7 @@ class VolunteerConsumer(AsyncWebsocketConsumer):
 
     async def on_hello(self, message: dict[str, Any]) -> None:
         device = protocol.parse_hello(message)
-        await database_sync_to_async(device_register)(user=self.user, device=device)
+        self.device = await database_sync_to_async(device_register)(user=self.user, device=device)
         volunteer = await database_sync_to_async(volunteer_ensure)(user=self.user)
         self.greeted = True
         await self.send_json(
@@ -86,14 +89,16 @@ class VolunteerConsumer(AsyncWebsocketConsumer):
         )
 
     async def on_ready(self, message: dict[str, Any]) -> None:
-        work_unit = await database_sync_to_async(work_unit_assign)(user=self.user)
-        if work_unit is None:
+        if len(self.assigned) >= MAX_IN_FLIGHT:
+            raise ProtocolError("busy", f"Finish a work unit first: at most {MAX_IN_FLIGHT} at a time.")
+        result = await database_sync_to_async(work_unit_assign)(user=self.user, device=self.device)
+        if result is None:
             self.waiting = True
             await self.send_json({"type": "idle"})
             return
         self.waiting = False
-        self.assigned.add(work_unit.pk)
-        await self.send_json(protocol.assign_message(work_unit))
+        self.assigned.add(result.work_unit_id)
+        await self.send_json(protocol.assign_message(result))
 
     async def on_progress(self, message: dict[str, Any]) -> None:
         """Heartbeats keep the connection alive; deadlines are enforced by the transitioner."""
@@ -109,12 +114,13 @@ class VolunteerConsumer(AsyncWebsocketConsumer):
         if meta is None:
             raise ProtocolError("bad_message", "A binary frame must follow a result message.")
         try:
-            outcome = await database_sync_to_async(result_submit)(
+            outcome = await database_sync_to_async(result_receive)(
                 user=self.user,
                 work_unit_id=meta.work_unit,
                 samples=meta.samples,
                 loss=meta.loss,
                 compute_ms=meta.compute_ms,
+                download_ms=meta.download_ms,
                 payload=payload,
             )
         except ResultError as exc:
@@ -127,6 +133,9 @@ class VolunteerConsumer(AsyncWebsocketConsumer):
     async def work_available(self, event: dict[str, Any]) -> None:
         if self.waiting:
             await self.on_ready({})
+
+    async def result_decided(self, event: dict[str, Any]) -> None:
+        await self.send_json(protocol.credit_message(event))
 
     async def work_cancel(self, event: dict[str, Any]) -> None:
         cancelled = [pk for pk in event["work_units"] if pk in self.assigned]

@@ -7,8 +7,8 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from projects.models import WorkUnit
-from projects.services import ResultOutcome
+from projects.lifecycle import ResultOutcome
+from projects.models import Result
 
 PROTOCOL_VERSION = 1
 MAX_TEXT_FRAME = 64 * 1024
@@ -28,6 +28,7 @@ class ResultMeta:
     samples: int
     loss: float
     compute_ms: int
+    download_ms: int
 
 
 def parse_message(text: str) -> dict[str, Any]:
@@ -58,6 +59,7 @@ def parse_result(message: dict[str, Any]) -> ResultMeta:
             samples=_int(message["samples"]),
             loss=float(message["loss"]),
             compute_ms=_int(timings.get("compute_ms", 0)),  # type: ignore[union-attr]
+            download_ms=_int(timings.get("download_ms", 0)),  # type: ignore[union-attr]
         )
     except (KeyError, TypeError, ValueError) as exc:
         raise ProtocolError("bad_message", f"Malformed result: {exc}.") from exc
@@ -72,7 +74,8 @@ def _int(value: Any) -> int:
     return int(value)
 
 
-def assign_message(work_unit: WorkUnit) -> dict[str, Any]:
+def assign_message(result: Result) -> dict[str, Any]:
+    work_unit = result.work_unit
     project = work_unit.project
     return {
         "type": "assign",
@@ -80,15 +83,20 @@ def assign_message(work_unit: WorkUnit) -> dict[str, Any]:
             "id": work_unit.pk,
             "project": {"id": project.pk, "name": project.name},
             "model_version": work_unit.version.number,
-            "task": "gradient",
+            "task": project.task,
             "graph_url": project.graph.url,
             "weights_url": work_unit.version.weights.url,
             "shards": [
                 {"url": work_unit.shard.blob.url, "offset": work_unit.offset, "count": work_unit.count}
             ],
             "batch_size": project.batch_size,
-            "deadline": work_unit.deadline.isoformat() if work_unit.deadline else None,
-            "codec": "fp32",
+            "local": {
+                "optimizer": "sgd",
+                "lr": project.local_learning_rate,
+                "momentum": project.local_momentum,
+            },
+            "deadline": result.deadline.isoformat(),
+            "codec": project.codec,
         },
     }
 
@@ -98,10 +106,16 @@ def ack_message(outcome: ResultOutcome) -> dict[str, Any]:
         "type": "ack",
         "work_unit": outcome.work_unit_id,
         "accepted": outcome.accepted,
+        "status": outcome.status,
         "reason": outcome.reason,
         "credit_flops": outcome.credit_flops,
         "total_credit_flops": outcome.total_credit_flops,
     }
+
+
+def credit_message(event: dict[str, Any]) -> dict[str, Any]:
+    keys = ("work_unit", "status", "reason", "credit_flops", "total_credit_flops")
+    return {"type": "credit", **{key: event[key] for key in keys}}
 
 
 def error_message(code: str, message: str) -> dict[str, Any]:

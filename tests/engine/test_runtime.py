@@ -128,3 +128,26 @@ def test_dropout_is_identity_in_eval_and_random_in_train() -> None:
     assert torch.equal(module({"x": x}), module({"x": x}))
     module.train()
     assert not torch.equal(module({"x": x}), module({"x": x}))
+
+
+def test_local_steps_equal_a_torch_sgd_loop() -> None:
+    import copy
+
+    from engine.presets import build_preset, export_preset
+    from engine.runtime import local_steps
+
+    torch.manual_seed(0)
+    graph, weights = export_preset("mlp")
+    x, y = torch.rand(10, 784), torch.randint(0, 10, (10,))
+    result = local_steps(graph, weights, {"x": x}, {"y": y}, batch_size=4, lr=0.1, momentum=0.9)
+
+    module = copy.deepcopy(build_preset("mlp"))
+    module.load_state_dict(weights)
+    optimizer = torch.optim.SGD(module.parameters(), lr=0.1, momentum=0.9)
+    for start in range(0, 10, 4):
+        optimizer.zero_grad()
+        torch.nn.functional.cross_entropy(module(x[start:start + 4]), y[start:start + 4]).backward()
+        optimizer.step()
+    for name, value in module.state_dict().items():
+        torch.testing.assert_close(result.delta[name], weights[name] - value, rtol=1e-5, atol=1e-6)
+    assert result.loss > 0

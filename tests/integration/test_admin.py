@@ -40,6 +40,15 @@ def project_form(**overrides: Any) -> dict[str, Any]:
         "round_samples": "128",
         "max_versions": "500",
         "priority": "3",
+        "codec": "int8",
+        "aggregator": "mean",
+        "local_learning_rate": "0.05",
+        "local_momentum": "0.9",
+        "round_timeout": "60",
+        "staleness_bound": "4",
+        "target_seconds": "20",
+        "spot_check_rate": "0.1",
+        "trust_threshold": "5",
         "_save": "Save",
     }
     return {**form, **overrides}

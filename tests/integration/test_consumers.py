@@ -65,10 +65,11 @@ def test_assign_result_ack_over_the_socket(mlp_project: Project, volunteer_user:
         assert assign["type"] == "assign"
         unit = assign["work_unit"]
         assert unit["weights_url"].startswith("/blobs/") and unit["shards"][0]["count"] == 50
+        assert (unit["task"], unit["codec"]) == ("gradient", "int8")
         work_unit = await database_sync_to_async(
             WorkUnit.objects.select_related("project", "version", "shard__blob").get
         )(pk=unit["id"])
-        payload, loss = await database_sync_to_async(honest_update)(work_unit)
+        payload, loss = await database_sync_to_async(honest_update)(work_unit), 2.3
         await communicator.send_to(
             text_data=json.dumps(
                 {
@@ -84,7 +85,10 @@ def test_assign_result_ack_over_the_socket(mlp_project: Project, volunteer_user:
         await communicator.send_to(bytes_data=payload)
         ack = json.loads(await communicator.receive_from(timeout=10))
         assert ack["type"] == "ack" and ack["accepted"] is True
-        assert ack["credit_flops"] == 50 * mlp_project.flops_per_sample == ack["total_credit_flops"]
+        # Validation runs in Celery (eagerly here) and its verdict is pushed through the channel layer.
+        credit = json.loads(await communicator.receive_from(timeout=10))
+        assert credit["type"] == "credit" and credit["status"] == "valid", credit
+        assert credit["credit_flops"] == 50 * mlp_project.flops_per_sample == credit["total_credit_flops"]
         await communicator.disconnect()
 
     async_to_sync(scenario)()

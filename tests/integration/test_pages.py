@@ -8,6 +8,7 @@ import re
 from typing import Any
 
 import pytest
+from django.utils import timezone
 from django.contrib.auth.models import User
 from django.test import Client
 
@@ -28,10 +29,11 @@ def accepted_result(project: Project, user: User, count: int = 50) -> Result:
     version = project.current_version()
     shard = project.dataset.shards.get(split="train", index=0)
     work_unit = WorkUnit.objects.create(
-        project=project, version=version, shard=shard, offset=0, count=count, status=WorkUnit.Status.DONE
+        project=project, version=version, shard=shard, offset=0, count=count, status=WorkUnit.Status.VALIDATED
     )
     return Result.objects.create(
-        work_unit=work_unit, volunteer=user, status=Result.Status.ACCEPTED, samples=count, loss=1.0
+        work_unit=work_unit, volunteer=user, status=Result.Status.RECEIVED, validation=Result.Validation.VALID,
+        samples=count, loss=1.0, deadline=timezone.now(),
     )
 
 

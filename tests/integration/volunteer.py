@@ -2,23 +2,34 @@
 
 from __future__ import annotations
 
-import torch
+from django.contrib.auth.models import User
 
 from engine import codecs
-from engine.runtime import compute_gradients
-from projects.datasets import shard_load
-from projects.models import WorkUnit
-from projects.services import project_graph, version_weights
+from projects import lifecycle
+from projects.lifecycle import ResultOutcome
+from projects.models import Result, WorkUnit
+from projects.validation import recompute
 
 
-def honest_update(work_unit: WorkUnit) -> tuple[bytes, float]:
-    graph = project_graph(project=work_unit.project)
-    x, y = shard_load(shard=work_unit.shard)
-    window = slice(work_unit.offset, work_unit.offset + work_unit.count)
-    result = compute_gradients(
-        graph,
-        version_weights(version=work_unit.version),
-        {graph.inputs[0].name: torch.from_numpy(x[window])},
-        {graph.targets[0].name: torch.from_numpy(y[window])},
+def honest_update(work_unit: WorkUnit) -> bytes:
+    return codecs.encode(recompute(work_unit=work_unit), codec=work_unit.project.codec)
+
+
+def receive(user: User, result: Result, payload: bytes | None = None, samples: int | None = None,
+            loss: float = 1.0) -> ResultOutcome:
+    """Upload an update for an assigned instance; Celery runs eagerly, so it is validated at once."""
+    work_unit = result.work_unit
+    return lifecycle.result_receive(
+        user=user, work_unit_id=work_unit.pk, samples=work_unit.count if samples is None else samples,
+        loss=loss, compute_ms=5, payload=honest_update(work_unit) if payload is None else payload,
     )
-    return codecs.encode(result.grads), result.loss
+
+
+def judged(result: Result) -> Result:
+    return Result.objects.select_related("work_unit").get(pk=result.pk)
+
+
+def assign(user: User) -> Result:
+    result = lifecycle.work_unit_assign(user=user)
+    assert result is not None
+    return result

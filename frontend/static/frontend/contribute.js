@@ -40,6 +40,11 @@
     el.textContent = formatFlops(flops);
   }
 
+  // Acks and verdicts may cross on the wire; the total only ever grows.
+  function raiseCredit(total) {
+    if (total !== undefined && total >= Number($("credit").dataset.flops || 0)) setCredit(total);
+  }
+
   function setStatus(text, state) {
     $("status").textContent = text;
     $("status-dot").dataset.state = state || "idle";
@@ -145,11 +150,17 @@
       if (msg.accepted) {
         s.done++;
         $("work-units-done").textContent = String(s.done);
-        log(`work unit ${msg.work_unit} accepted: +${formatFlops(msg.credit_flops || 0)}`);
+        log(`work unit ${msg.work_unit} uploaded (${msg.status || "accepted"})`);
       } else {
-        log(`work unit ${msg.work_unit} rejected: ${msg.reason || "no reason"}`, true);
+        log(`work unit ${msg.work_unit} not used: ${msg.reason || msg.status || "no reason"}`, true);
       }
-      if (msg.total_credit_flops !== undefined) setCredit(msg.total_credit_flops);
+      raiseCredit(msg.total_credit_flops);
+    },
+    // The verdict arrives once the server has validated the update (see docs/protocol.md).
+    credit(msg) {
+      if (msg.status === "valid") log(`work unit ${msg.work_unit} validated: +${formatFlops(msg.credit_flops)}`);
+      else log(`work unit ${msg.work_unit} ${msg.status}: ${msg.reason || "no reason"}`, true);
+      raiseCredit(msg.total_credit_flops);
     },
     idle() {
       if (s.current === null) setStatus("Waiting for work…", "waiting");

@@ -1,0 +1,257 @@
+"""The BOINC work-unit lifecycle: feeding, sending instances, receiving, releasing, timing out, cancelling.
+
+A work unit is a slice of training data on one model version; each time it is sent to a volunteer a
+Result (an instance) is created with its own deadline. Validation and training live in validation.py
+and training.py; this module only moves work units and results between states.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import timedelta
+
+from django.conf import settings
+from django.contrib.auth.models import User
+from django.db import transaction
+from django.db.models import Q, Sum
+from django.utils import timezone
+
+from projects import notify
+from projects.blobs import blob_put
+from projects.models import DatasetShard, ModelVersion, Project, Result, WorkUnit
+from workers.models import Device, Volunteer
+
+# A connection may hold this many instances at once: one computing, one prefetched.
+MAX_IN_FLIGHT = 2
+
+
+class ResultError(ValueError):
+    """A result that breaks the protocol; `code` is sent to the client in an `error` message."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+@dataclass(frozen=True)
+class ResultOutcome:
+    work_unit_id: int
+    status: str  # "pending" (queued for validation), "valid", "invalid" or "late"
+    reason: str
+    credit_flops: int
+    total_credit_flops: int
+
+    @property
+    def accepted(self) -> bool:
+        return self.status in ("pending", "valid")
+
+
+# --- feeding --------------------------------------------------------------------------------------
+
+
+def work_units_feed(*, project_id: int) -> int:
+    """Keep one round of work ready for a running project's current version (the BOINC feeder)."""
+    with transaction.atomic():
+        project = Project.objects.select_for_update().get(pk=project_id)
+        if not project.is_running:
+            return 0
+        version = project.current_version()
+        missing = project.round_samples - _samples_covered(project=project, version=version)
+        created = 0
+        while missing > 0:
+            missing -= _next_work_unit(project=project, version=version).count
+            created += 1
+        project.save(update_fields=["data_cursor"])
+    return created
+
+
+def _samples_covered(*, project: Project, version: ModelVersion) -> int:
+    units = WorkUnit.objects.filter(version=version)
+    if project.mode == Project.Mode.ASYNC_SGD:
+        # Async has no rounds: keep a buffer of unsent work the size of one round.
+        units = units.filter(status=WorkUnit.Status.OPEN, wanted__gt=0, total_results=0)
+    else:
+        units = units.filter(status__in=[WorkUnit.Status.OPEN, WorkUnit.Status.VALIDATED])
+    return units.aggregate(n=Sum("count"))["n"] or 0
+
+
+def _next_work_unit(*, project: Project, version: ModelVersion) -> WorkUnit:
+    shard, offset = _locate(project=project, index=project.data_cursor % project.dataset.train_samples)
+    count = min(project.batch_size, shard.count - offset)
+    project.data_cursor += count
+    return WorkUnit.objects.create(project=project, version=version, shard=shard, offset=offset, count=count)
+
+
+def _locate(*, project: Project, index: int) -> tuple[DatasetShard, int]:
+    shard_samples = settings.CROWDTRAIN["SHARD_SAMPLES"]
+    shard = project.dataset.shards.get(split=DatasetShard.Split.TRAIN, index=index // shard_samples)
+    return shard, index % shard_samples
+
+
+# --- sending --------------------------------------------------------------------------------------
+
+
+def work_unit_assign(*, user: User, device: Device | None = None) -> Result | None:
+    """Send one instance of the next open work unit to `user`, sized for their device."""
+    with transaction.atomic():
+        work_unit = _next_open_work_unit(user=user)
+        if work_unit is None:
+            return None
+        if device is not None:
+            _split_to_fit(
+                work_unit=work_unit, samples=work_unit.project.work_unit_samples(gflops=device.speed_gflops())
+            )
+        work_unit.wanted -= 1
+        work_unit.total_results += 1
+        work_unit.save(update_fields=["wanted", "total_results", "count"])
+        deadline = timezone.now() + timedelta(seconds=settings.CROWDTRAIN["WORK_UNIT_DEADLINE_SECONDS"])
+        return Result.objects.create(work_unit=work_unit, volunteer=user, device=device, deadline=deadline)
+
+
+def _next_open_work_unit(*, user: User) -> WorkUnit | None:
+    return (
+        WorkUnit.objects.select_for_update(skip_locked=True, of=("self",))
+        .filter(status=WorkUnit.Status.OPEN, wanted__gt=0, project__status=Project.Status.RUNNING)
+        .exclude(results__volunteer=user)
+        .select_related("project", "version__weights", "shard__blob", "project__graph")
+        # Oldest open round first: with several projects, each one's round keeps moving.
+        .order_by("-project__priority", "version__created_at", "id")
+        .first()
+    )
+
+
+def _split_to_fit(*, work_unit: WorkUnit, samples: int) -> None:
+    """A slow device gets the front of a fresh work unit; the rest becomes a work unit of its own."""
+    if work_unit.count <= samples or work_unit.total_results:
+        return
+    WorkUnit.objects.create(
+        project=work_unit.project,
+        version=work_unit.version,
+        shard=work_unit.shard,
+        offset=work_unit.offset + samples,
+        count=work_unit.count - samples,
+    )
+    work_unit.count = samples
+
+
+# --- receiving ------------------------------------------------------------------------------------
+
+
+def result_receive(
+    *,
+    user: User,
+    work_unit_id: int,
+    samples: int,
+    loss: float,
+    compute_ms: int,
+    download_ms: int = 0,
+    payload: bytes,
+) -> ResultOutcome:
+    """Store a volunteer's update and queue it for validation. Duplicates and late results are harmless."""
+    if len(payload) > settings.CROWDTRAIN["MAX_RESULT_BYTES"]:
+        raise ResultError("too_large", "The update is larger than this server accepts.")
+    with transaction.atomic():
+        result = _result_for(user=user, work_unit_id=work_unit_id)
+        if result.status != Result.Status.IN_PROGRESS:
+            return result_outcome(result=result)
+        result.status = Result.Status.RECEIVED
+        result.received_at = timezone.now()
+        result.samples, result.loss = samples, loss
+        result.compute_ms, result.download_ms = max(0, compute_ms), max(0, download_ms)
+        result.blob = blob_put(data=payload)
+        result.save()
+    transaction.on_commit(lambda: notify.result_received(result_id=result.pk))
+    # Read it back: with eager tasks (tests) validation has already run inside on_commit.
+    return result_outcome(result=Result.objects.select_related("credit").get(pk=result.pk))
+
+
+def _result_for(*, user: User, work_unit_id: int) -> Result:
+    result = (
+        Result.objects.select_for_update(of=("self",))
+        .select_related("work_unit")
+        .filter(work_unit_id=work_unit_id, volunteer=user)
+        .first()
+    )
+    if result is not None:
+        return result
+    if WorkUnit.objects.filter(pk=work_unit_id).exists():
+        raise ResultError("not_assigned", f"Work unit {work_unit_id} is not assigned to you.")
+    raise ResultError("unknown_work_unit", f"There is no work unit {work_unit_id}.")
+
+
+def result_outcome(*, result: Result) -> ResultOutcome:
+    credit = getattr(result, "credit", None)
+    return ResultOutcome(
+        work_unit_id=result.work_unit_id,
+        status=_outcome_status(result),
+        reason=result.reason,
+        credit_flops=credit.flops if credit else 0,
+        total_credit_flops=Volunteer.objects.filter(user_id=result.volunteer_id)
+        .values_list("total_flops", flat=True)
+        .first()
+        or 0,
+    )
+
+
+def _outcome_status(result: Result) -> str:
+    if result.status != Result.Status.RECEIVED:
+        return "late"
+    return str(result.validation)
+
+
+# --- giving back, timing out, cancelling -----------------------------------------------------------
+
+
+def results_release(*, user: User, work_unit_ids: list[int]) -> int:
+    """A volunteer disconnected: reopen what it held so others pick it up at once (no penalty)."""
+    with transaction.atomic():
+        results = list(_in_progress(Q(volunteer=user, work_unit_id__in=work_unit_ids)))
+        for result in results:
+            result.status = Result.Status.RELEASED
+            result.save(update_fields=["status"])
+            _reopen(work_unit=result.work_unit, failed=False)
+    return len(results)
+
+
+def results_expire() -> list[int]:
+    """Instances past their deadline time out and their work units are sent again (the transitioner)."""
+    with transaction.atomic():
+        late = list(_in_progress(Q(deadline__lt=timezone.now())))
+        for result in late:
+            result.status = Result.Status.TIMED_OUT
+            result.save(update_fields=["status"])
+            _reopen(work_unit=result.work_unit, failed=True)
+    return sorted({r.work_unit.project_id for r in late})
+
+
+def _in_progress(condition: Q) -> list[Result]:
+    return list(
+        Result.objects.select_for_update(of=("self",))
+        .select_related("work_unit")
+        .filter(condition, status=Result.Status.IN_PROGRESS)
+        .order_by("pk")
+    )
+
+
+def _reopen(*, work_unit: WorkUnit, failed: bool) -> None:
+    work_unit = WorkUnit.objects.select_for_update().get(pk=work_unit.pk)
+    if not work_unit.is_open:
+        return
+    if failed:
+        work_unit.record_failure()
+    else:
+        work_unit.wanted += 1
+        work_unit.total_results -= 1
+    work_unit.save(update_fields=["wanted", "error_results", "total_results", "status"])
+
+
+def work_units_cancel(*, work_units: list[WorkUnit], reason: str) -> None:
+    """Cancel work units and their instances in flight, and tell the volunteers holding them."""
+    ids = [w.pk for w in work_units]
+    in_flight = Result.objects.filter(work_unit_id__in=ids, status=Result.Status.IN_PROGRESS)
+    by_user: dict[int, list[int]] = {}
+    for work_unit_id, user_id in in_flight.values_list("work_unit_id", "volunteer_id"):
+        by_user.setdefault(user_id, []).append(work_unit_id)
+    in_flight.update(status=Result.Status.CANCELLED, reason=reason)
+    WorkUnit.objects.filter(pk__in=ids).update(status=WorkUnit.Status.CANCELLED)
+    transaction.on_commit(lambda: notify.work_cancelled(by_user=by_user, reason=reason))

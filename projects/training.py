@@ -1,0 +1,154 @@
+"""Server-side training: turn valid updates into the next model version, as the project's mode says.
+
+- sync_sgd: a round closes once `round_samples` valid samples arrived (or at `round_timeout` with what
+  arrived); gradients are aggregated and one server optimizer step (SGD with momentum) is taken.
+- averaging: the same rounds, but updates are deltas of local training; their average is the
+  pseudo-gradient of an outer Nesterov step (DiLoCo).
+- async_sgd: whatever valid updates arrived are applied at once, each weighted by 1/(1 + staleness).
+Stale work is cancelled when a version is published, so a straggler's result can never be applied twice.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import torch
+from django.db import transaction
+from django.utils import timezone
+
+from engine import aggregate, codecs
+from projects import notify
+from projects.lifecycle import work_units_cancel
+from projects.models import ModelVersion, Project, Result, WorkUnit
+from projects.services import project_graph, version_publish, version_weights
+
+Tensors = dict[str, torch.Tensor]
+TRIM = 0.2
+
+
+def project_step(*, project_id: int, force: bool = False) -> ModelVersion | None:
+    """Publish the next version if the current round is complete (or `force`d after its timeout)."""
+    with transaction.atomic():
+        project = Project.objects.select_for_update().get(pk=project_id)
+        current = project.current_version()
+        results = list(_pending(project=project, current=current))
+        if not results or not _round_complete(project=project, current=current, results=results, force=force):
+            return None
+        version = _publish(project=project, current=current, results=results)
+        _cancel_stale(project=project, version=version)
+        if version.number >= project.max_versions:
+            project.status = Project.Status.FINISHED
+            project.save(update_fields=["status"])
+    transaction.on_commit(
+        lambda: notify.version_published(project_id=project_id, version_id=version.pk, number=version.number)
+    )
+    return version
+
+
+def _pending(*, project: Project, current: ModelVersion) -> list[Result]:
+    results = Result.objects.filter(
+        work_unit__project=project,
+        validation=Result.Validation.VALID,
+        aggregated=False,
+        status=Result.Status.RECEIVED,
+    ).select_related("blob", "work_unit__version")
+    if project.mode != Project.Mode.ASYNC_SGD:
+        results = results.filter(work_unit__version=current)
+    return list(results.order_by("pk"))
+
+
+def _round_complete(*, project: Project, current: ModelVersion, results: list[Result], force: bool) -> bool:
+    if project.mode == Project.Mode.ASYNC_SGD:
+        return True
+    expired = timezone.now() - current.created_at >= timedelta(seconds=project.round_timeout)
+    return force or expired or sum(r.samples for r in results) >= project.round_samples
+
+
+def _publish(*, project: Project, current: ModelVersion, results: list[Result]) -> ModelVersion:
+    weights = [_weight(project=project, current=current, result=r) for r in results]
+    updates = [codecs.decode(r.blob.read())[0] for r in results if r.blob]
+    update, buffers = _combine(project=project, updates=updates, weights=weights)
+    samples = sum(r.samples for r in results)
+    if project.mode == Project.Mode.ASYNC_SGD:
+        # Staleness weights shrink the step, not only the mix: a lone stale update moves the model less.
+        update = {name: value * (sum(weights) / samples) for name, value in update.items()}
+    params, state = _step(project=project, version=current, update=update)
+    Result.objects.filter(pk__in=[r.pk for r in results]).update(aggregated=True)
+    return version_publish(
+        project=project,
+        number=current.number + 1,
+        weights={**params, **buffers},
+        momentum=state,
+        train_loss=sum((r.loss or 0.0) * r.samples for r in results) / samples,
+        samples=samples,
+    )
+
+
+def _weight(*, project: Project, current: ModelVersion, result: Result) -> float:
+    staleness = current.number - result.work_unit.version.number
+    return result.samples * (project.staleness_weight(staleness=staleness) if staleness else 1.0)
+
+
+def _combine(*, project: Project, updates: list[Tensors], weights: list[float]) -> tuple[Tensors, Tensors]:
+    graph = project_graph(project=project)
+    params = [{p.name: u[p.name] for p in graph.params} for u in updates]
+    combined = _aggregate(project=project, updates=params, weights=weights)
+    names = [b.name for b in graph.buffers]
+    with_buffers = [(u, w) for u, w in zip(updates, weights, strict=True) if all(n in u for n in names)]
+    buffers = (
+        aggregate.weighted_mean(
+            [{n: u[n] for n in names} for u, _ in with_buffers], [w for _, w in with_buffers]
+        )
+        if names and with_buffers
+        else {}
+    )
+    return combined, buffers
+
+
+def _aggregate(*, project: Project, updates: list[Tensors], weights: list[float]) -> Tensors:
+    if project.aggregator == Project.Aggregator.MEDIAN and len(updates) >= 3:
+        return aggregate.coordinate_median(updates)
+    if project.aggregator == Project.Aggregator.TRIMMED_MEAN and len(updates) >= 3:
+        return aggregate.trimmed_mean(updates, TRIM)
+    return aggregate.weighted_mean(updates, weights)
+
+
+def _step(*, project: Project, version: ModelVersion, update: Tensors) -> tuple[Tensors, Tensors]:
+    weights = version_weights(version=version)
+    state = codecs.decode(version.optimizer_state.read())[0] if version.optimizer_state else {}
+    if project.mode == Project.Mode.AVERAGING:
+        return aggregate.outer_nesterov_step(
+            weights, update, state, lr=project.learning_rate, momentum=project.momentum
+        )
+    return aggregate.sgd_step(
+        weights,
+        update,
+        state,
+        lr=project.learning_rate,
+        momentum=project.momentum,
+        weight_decay=project.weight_decay,
+    )
+
+
+def _cancel_stale(*, project: Project, version: ModelVersion) -> None:
+    stale = WorkUnit.objects.filter(
+        project=project, status=WorkUnit.Status.OPEN, version__number__lt=version.number
+    )
+    if project.mode == Project.Mode.ASYNC_SGD:
+        # In async mode work in flight stays useful until the staleness bound; only unsent work is renewed.
+        bound = version.number - project.staleness_bound
+        stale = stale.filter(total_results=0) | stale.filter(version__number__lte=bound)
+    work_units_cancel(work_units=list(stale), reason="a new model version was published")
+
+
+def rounds_close_expired() -> list[int]:
+    """Close rounds past their timeout with the valid results they have (stragglers are cancelled)."""
+    cutoff = timezone.now()
+    closed = []
+    for project in Project.objects.filter(status=Project.Status.RUNNING).exclude(mode=Project.Mode.ASYNC_SGD):
+        current = project.current_version()
+        if cutoff - current.created_at >= timedelta(seconds=project.round_timeout) and project_step(
+            project_id=project.pk
+        ):
+            closed.append(project.pk)
+    return closed

@@ -1,0 +1,123 @@
+"""The BOINC work-unit lifecycle on PostgreSQL: feeding, sending, receiving, releasing, timing out."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import pytest
+from django.contrib.auth.models import User
+from django.utils import timezone
+
+from projects import lifecycle
+from projects.lifecycle import ResultError
+from projects.models import Project, Result, WorkUnit
+from tests.integration.volunteer import assign, honest_update, receive
+from workers.models import CreditEntry, Device, Volunteer
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+def test_feeder_fills_one_round_and_is_idempotent(mlp_project: Project) -> None:
+    units = WorkUnit.objects.filter(project=mlp_project, status=WorkUnit.Status.OPEN)
+    assert sum(u.count for u in units) == mlp_project.round_samples  # start() fed it
+    assert lifecycle.work_units_feed(project_id=mlp_project.pk) == 0
+    assert sorted((u.shard.index, u.offset, u.count) for u in units) == [(0, 0, 50), (0, 50, 50)]
+
+
+def test_each_volunteer_gets_its_own_instance(mlp_project: Project, volunteer_user: User,
+                                              other_volunteer: User) -> None:
+    first, second = assign(volunteer_user), assign(other_volunteer)
+    assert first.work_unit_id != second.work_unit_id
+    assert lifecycle.work_unit_assign(user=volunteer_user) is None  # the round is all handed out
+    assert first.deadline > timezone.now() and first.status == Result.Status.IN_PROGRESS
+
+
+def test_slow_devices_get_smaller_work_units(mlp_project: Project, volunteer_user: User) -> None:
+    volunteer = Volunteer.objects.create(user=volunteer_user)
+    mlp_project.target_seconds = 1
+    mlp_project.save()
+    gflops = 20 * mlp_project.flops_per_sample / 1e9  # 20 samples in one second
+    device = Device.objects.create(volunteer=volunteer, backend="webgl", gflops=gflops)
+    result = lifecycle.work_unit_assign(user=volunteer_user, device=device)
+    assert result is not None and result.work_unit.count == 20
+    rest = WorkUnit.objects.get(offset=20, count=30)
+    assert rest.shard_id == result.work_unit.shard_id and rest.wanted == 1
+
+
+def test_results_only_from_the_assigned_volunteer(mlp_project: Project, volunteer_user: User,
+                                                  other_volunteer: User) -> None:
+    result = assign(volunteer_user)
+    with pytest.raises(ResultError) as stolen:
+        receive(other_volunteer, result)
+    assert stolen.value.code == "not_assigned"
+    with pytest.raises(ResultError) as unknown:
+        lifecycle.result_receive(user=volunteer_user, work_unit_id=10**9, samples=1, loss=0.0, compute_ms=0,
+                                 payload=b"")
+    assert unknown.value.code == "unknown_work_unit"
+    assert Result.objects.get().status == Result.Status.IN_PROGRESS and not CreditEntry.objects.exists()
+
+
+def test_oversize_updates_are_refused_before_anything_is_stored(mlp_project: Project, volunteer_user: User,
+                                                                 settings) -> None:  # type: ignore[no-untyped-def]
+    settings.CROWDTRAIN = {**settings.CROWDTRAIN, "MAX_RESULT_BYTES": 1000}
+    result = assign(volunteer_user)
+    with pytest.raises(ResultError) as refused:
+        receive(volunteer_user, result)
+    assert refused.value.code == "too_large"
+    result.refresh_from_db()
+    assert result.status == Result.Status.IN_PROGRESS and result.blob is None
+
+
+def test_duplicate_results_are_idempotent(mlp_project: Project, volunteer_user: User) -> None:
+    result = assign(volunteer_user)
+    payload = honest_update(result.work_unit)
+    first = receive(volunteer_user, result, payload)
+    again = receive(volunteer_user, result, payload)
+    assert first.status == "valid" and again == first
+    assert CreditEntry.objects.count() == 1
+
+
+def test_released_work_goes_back_to_the_pool_without_penalty(mlp_project: Project, volunteer_user: User,
+                                                             other_volunteer: User) -> None:
+    result = assign(volunteer_user)
+    assert lifecycle.results_release(user=other_volunteer, work_unit_ids=[result.work_unit_id]) == 0
+    assert lifecycle.results_release(user=volunteer_user, work_unit_ids=[result.work_unit_id]) == 1
+    work_unit = WorkUnit.objects.get(pk=result.work_unit_id)
+    assert (work_unit.wanted, work_unit.error_results, work_unit.status) == (1, 0, WorkUnit.Status.OPEN)
+    assert assign(other_volunteer).work_unit_id == work_unit.pk
+
+
+def test_timed_out_work_is_resent_and_the_late_result_earns_nothing(
+    mlp_project: Project, volunteer_user: User, other_volunteer: User
+) -> None:
+    result = assign(volunteer_user)
+    Result.objects.filter(pk=result.pk).update(deadline=timezone.now() - timedelta(seconds=1))
+    assert lifecycle.results_expire() == [mlp_project.pk]
+    assert WorkUnit.objects.get(pk=result.work_unit_id).error_results == 1
+    late = receive(volunteer_user, result)
+    assert late.status == "late" and late.credit_flops == 0
+    assert assign(other_volunteer).work_unit_id == result.work_unit_id
+
+
+def test_work_that_keeps_failing_is_marked_errored(mlp_project: Project) -> None:
+    work_unit = WorkUnit.objects.filter(project=mlp_project).first()
+    assert work_unit is not None
+    for attempt in range(work_unit.max_error_results):
+        user = User.objects.create_user(f"flaky{attempt}")
+        result = lifecycle.work_unit_assign(user=user)
+        assert result is not None and result.work_unit_id == work_unit.pk
+        Result.objects.filter(pk=result.pk).update(deadline=timezone.now() - timedelta(seconds=1))
+        lifecycle.results_expire()
+    work_unit.refresh_from_db()
+    assert work_unit.status == WorkUnit.Status.ERRORED
+    assert lifecycle.work_units_feed(project_id=mlp_project.pk) == 1  # its samples are fed anew
+
+
+def test_pause_cancels_open_work_and_stops_sending(mlp_project: Project, volunteer_user: User) -> None:
+    from projects.services import project_pause
+
+    result = assign(volunteer_user)
+    project_pause(project=mlp_project)
+    assert lifecycle.work_unit_assign(user=volunteer_user) is None
+    assert not WorkUnit.objects.filter(status=WorkUnit.Status.OPEN).exists()
+    assert receive(volunteer_user, result).status == "late"

@@ -1,0 +1,147 @@
+"""Server-side training in every mode, on PostgreSQL, with Celery tasks run eagerly."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import pytest
+import torch
+from django.contrib.auth.models import User
+from django.utils import timezone
+
+from engine import codecs
+from projects import training
+from projects.models import ModelVersion, Project, Result, WorkUnit
+from projects.services import version_evaluate, version_weights
+from projects.validation import recompute
+from tests.integration.volunteer import assign, receive
+from workers.models import CreditEntry, Volunteer
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+def fp32(project: Project, **changes: object) -> Project:
+    Project.objects.filter(pk=project.pk).update(codec="fp32", **changes)
+    project.refresh_from_db()
+    return project
+
+
+def torch_step(weights: dict[str, torch.Tensor], grad: dict[str, torch.Tensor], **sgd: object
+               ) -> dict[str, torch.Tensor]:
+    params = {k: torch.nn.Parameter(v.clone()) for k, v in weights.items()}
+    optimizer = torch.optim.SGD(params.values(), **sgd)  # type: ignore[arg-type]
+    for name, param in params.items():
+        param.grad = grad[name]
+    optimizer.step()
+    return {k: v.detach() for k, v in params.items()}
+
+
+def round_of_two(project: Project, users: tuple[User, User]) -> list[tuple[dict[str, torch.Tensor], int]]:
+    updates = []
+    for user in users:
+        result = assign(user)
+        updates.append((recompute(work_unit=result.work_unit), result.work_unit.count))
+        assert receive(user, result).status == "valid"
+    return updates
+
+
+def mean(updates: list[tuple[dict[str, torch.Tensor], int]]) -> dict[str, torch.Tensor]:
+    total = sum(n for _, n in updates)
+    return {k: sum(u[k] * n for u, n in updates) / total for k in updates[0][0]}  # type: ignore[misc]
+
+
+def test_sync_round_steps_exactly_like_torch_sgd(mlp_project: Project, volunteer_user: User,
+                                                 other_volunteer: User) -> None:
+    project = fp32(mlp_project)
+    v0 = version_weights(version=project.current_version())
+    updates = round_of_two(project, (volunteer_user, other_volunteer))
+    published = version_weights(version=ModelVersion.objects.get(project=project, number=1))
+    expected = torch_step(v0, mean(updates), lr=0.1, momentum=0.9)
+    for name, value in expected.items():
+        torch.testing.assert_close(published[name], value, rtol=1e-6, atol=1e-7)
+
+
+def test_averaging_takes_an_outer_nesterov_step_on_the_mean_delta(mlp_project: Project, volunteer_user: User,
+                                                                  other_volunteer: User) -> None:
+    project = fp32(mlp_project, mode="averaging", learning_rate=0.7, momentum=0.9)
+    v0 = version_weights(version=project.current_version())
+    updates = round_of_two(project, (volunteer_user, other_volunteer))
+    published = version_weights(version=ModelVersion.objects.get(project=project, number=1))
+    expected = torch_step(v0, mean(updates), lr=0.7, momentum=0.9, nesterov=True)
+    for name, value in expected.items():
+        torch.testing.assert_close(published[name], value, rtol=1e-5, atol=1e-6)
+
+
+def test_a_round_closes_at_its_timeout_and_drops_the_straggler(mlp_project: Project, volunteer_user: User,
+                                                               other_volunteer: User) -> None:
+    straggler = assign(other_volunteer)
+    assert receive(volunteer_user, assign(volunteer_user)).status == "valid"  # half the round
+    assert mlp_project.current_version().number == 0
+    ModelVersion.objects.filter(project=mlp_project).update(created_at=timezone.now() - timedelta(minutes=5))
+    assert training.rounds_close_expired() == [mlp_project.pk]
+    assert mlp_project.current_version().samples == 50
+    assert Result.objects.get(pk=straggler.pk).status == Result.Status.CANCELLED
+    assert receive(other_volunteer, straggler).status == "late"
+    assert CreditEntry.objects.count() == 1
+
+
+def test_async_applies_each_update_weighted_by_staleness(mlp_project: Project, volunteer_user: User,
+                                                         other_volunteer: User) -> None:
+    project = fp32(mlp_project, mode="async_sgd", momentum=0.0, staleness_bound=2)
+    slow, fast = assign(other_volunteer), assign(volunteer_user)
+    assert receive(volunteer_user, fast).status == "valid"
+    v1 = project.current_version()
+    assert v1.number == 1
+    stale_grad = recompute(work_unit=slow.work_unit)
+    assert receive(other_volunteer, slow).status == "valid"
+    v2 = version_weights(version=ModelVersion.objects.get(project=project, number=2))
+    expected = {k: v - 0.1 * 0.5 * stale_grad[k] for k, v in version_weights(version=v1).items()}
+    for name, value in expected.items():
+        torch.testing.assert_close(v2[name], value, rtol=1e-5, atol=1e-6)
+
+
+def test_async_drops_updates_past_the_staleness_bound(mlp_project: Project, volunteer_user: User) -> None:
+    project = fp32(mlp_project, mode="async_sgd", staleness_bound=1)
+    slow = assign(volunteer_user)
+    helper = User.objects.create_user("helper")
+    assert receive(helper, assign(helper)).status == "valid"  # version 1: slow is now 1 step stale
+    outcome = receive(volunteer_user, slow)
+    assert outcome.status == "late" and outcome.credit_flops == 0
+    assert project.current_version().number == 1
+
+
+def test_median_aggregation_ignores_one_wild_update(mlp_project: Project) -> None:
+    mlp_project.aggregator = Project.Aggregator.MEDIAN
+    honest = [{"w": torch.full((3,), value)} for value in (1.0, 1.1, 0.9)]
+    wild = {"w": torch.full((3,), 1e6)}
+    combined = training._aggregate(project=mlp_project, updates=[*honest, wild], weights=[1.0] * 4)
+    assert float(combined["w"].max()) < 2.0
+
+
+def test_training_through_the_services_learns_digits(mlp_project: Project, volunteer_user: User) -> None:
+    for _ in range(120):
+        assert receive(volunteer_user, assign(volunteer_user)).status == "valid"
+    version = mlp_project.current_version()
+    assert version.number == 60
+    assert version_evaluate(version_id=version.pk)["test_accuracy"] > 0.8
+    ledger = sum(CreditEntry.objects.values_list("flops", flat=True))
+    assert ledger == Volunteer.objects.get(user=volunteer_user).total_flops == 120 * 50 * mlp_project.flops_per_sample
+    assert not WorkUnit.objects.filter(status=WorkUnit.Status.OPEN, version__number__lt=60).exists()
+
+
+def test_evaluation_is_stored_once_per_version(mlp_project: Project) -> None:
+    version = mlp_project.current_version()
+    metrics = version_evaluate(version_id=version.pk)
+    assert set(metrics) == {"test_loss", "test_accuracy"}
+    assert 0.0 <= metrics["test_accuracy"] <= 0.3  # an untrained 10-class model
+    assert version_evaluate(version_id=version.pk) == metrics and version.metrics.count() == 2
+
+
+def test_project_create_checks_the_model_fits_the_dataset(researcher: User, digits_dataset) -> None:  # type: ignore[no-untyped-def]
+    from projects.services import ProjectError, project_create
+
+    digits_dataset.input_shape = [3, 32, 32]
+    digits_dataset.save()
+    with pytest.raises(ProjectError, match="expects samples of shape"):
+        project_create(owner=researcher, name="bad", dataset=digits_dataset, preset="mlp")
+    assert not Project.objects.filter(name="bad").exists()

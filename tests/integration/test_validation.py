@@ -1,0 +1,103 @@
+"""Validation and trust: honest updates are credited, every kind of bad one is caught and earns nothing."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from django.contrib.auth.models import User
+
+from engine import codecs
+from projects.models import Project, Result, WorkUnit
+from projects.validation import recompute
+from tests.integration.volunteer import assign, honest_update, judged, receive
+from workers.models import CreditEntry, Volunteer
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+def tampered(work_unit: WorkUnit, how: str) -> bytes:
+    update = recompute(work_unit=work_unit)
+    name = next(iter(update))
+    if how == "nan":
+        update[name][0] = math.nan
+    elif how == "shape":
+        update[name] = torch.zeros(3)
+    elif how == "sign_flip":
+        update = {k: -v for k, v in update.items()}
+    elif how == "scaled":
+        update = {k: 100 * v for k, v in update.items()}
+    elif how == "random":
+        update = {k: torch.randn_like(v) * v.norm() / v.numel() ** 0.5 for k, v in update.items()}
+    return codecs.encode(update, codec=work_unit.project.codec)
+
+
+def test_an_untrusted_volunteers_honest_update_is_spot_checked_and_credited(
+    mlp_project: Project, volunteer_user: User
+) -> None:
+    result = assign(volunteer_user)
+    outcome = receive(volunteer_user, result)
+    assert outcome.status == "valid", outcome.reason
+    checked = judged(result)
+    assert checked.spot_checked and checked.is_valid
+    assert outcome.credit_flops == mlp_project.flops_per_sample * result.work_unit.count
+    volunteer = Volunteer.objects.get(user=volunteer_user)
+    assert (volunteer.total_flops, volunteer.consecutive_valid) == (outcome.credit_flops, 1)
+
+
+@pytest.mark.parametrize("how", ["nan", "shape", "sign_flip", "scaled", "random"])
+def test_bad_updates_are_invalid_earn_nothing_and_are_resent(mlp_project: Project, volunteer_user: User,
+                                                             how: str) -> None:
+    Volunteer.objects.create(user=volunteer_user, consecutive_valid=3)
+    result = assign(volunteer_user)
+    outcome = receive(volunteer_user, result, tampered(result.work_unit, how))
+    assert outcome.status == "invalid" and outcome.credit_flops == 0
+    assert judged(result).reason
+    assert not CreditEntry.objects.exists()
+    assert Volunteer.objects.get(user=volunteer_user).consecutive_valid == 0
+    assert WorkUnit.objects.get(pk=result.work_unit_id).wanted == 1
+
+
+@pytest.mark.parametrize("problem", ["garbage", "samples"])
+def test_malformed_results_are_invalid(mlp_project: Project, volunteer_user: User, problem: str) -> None:
+    result = assign(volunteer_user)
+    if problem == "garbage":
+        outcome = receive(volunteer_user, result, b"\x00not safetensors")
+    else:
+        outcome = receive(volunteer_user, result, samples=result.work_unit.count + 1)
+    assert outcome.status == "invalid" and outcome.credit_flops == 0
+
+
+def test_replayed_updates_are_invalid(mlp_project: Project, volunteer_user: User) -> None:
+    first = assign(volunteer_user)
+    payload = honest_update(first.work_unit)
+    assert receive(volunteer_user, first, payload).status == "valid"
+    second = assign(volunteer_user)
+    outcome = receive(volunteer_user, second, payload)
+    assert outcome.status == "invalid" and "replay" in outcome.reason
+
+
+def test_trusted_volunteers_skip_spot_checks_but_not_the_norm_check(mlp_project: Project,
+                                                                    volunteer_user: User) -> None:
+    mlp_project.spot_check_rate = 0.0
+    mlp_project.save()
+    Volunteer.objects.create(user=volunteer_user, consecutive_valid=mlp_project.trust_threshold)
+    honest = assign(volunteer_user)
+    assert receive(volunteer_user, honest).status == "valid"
+    assert not judged(honest).spot_checked
+    Result.objects.filter(pk=honest.pk).update(update_norm=1e-3)
+    for index in range(4):  # a history of small updates
+        Result.objects.create(work_unit=honest.work_unit, volunteer=User.objects.create_user(f"h{index}"),
+                              deadline=honest.deadline, status=Result.Status.RECEIVED,
+                              validation=Result.Validation.VALID, update_norm=1e-3)
+    scaled = assign(volunteer_user)
+    outcome = receive(volunteer_user, scaled, tampered(scaled.work_unit, "scaled"))
+    assert outcome.status == "invalid" and "norm" in outcome.reason
+
+
+@pytest.mark.parametrize("codec", ["fp32", "fp16", "int8"])
+def test_every_codec_is_accepted(mlp_project: Project, volunteer_user: User, codec: str) -> None:
+    Project.objects.filter(pk=mlp_project.pk).update(codec=codec)
+    result = assign(volunteer_user)
+    assert receive(volunteer_user, result).status == "valid"
