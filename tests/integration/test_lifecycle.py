@@ -24,8 +24,9 @@ def test_feeder_fills_one_round_and_is_idempotent(mlp_project: Project) -> None:
     assert sorted((u.shard.index, u.offset, u.count) for u in units) == [(0, 0, 50), (0, 50, 50)]
 
 
-def test_each_volunteer_gets_its_own_instance(mlp_project: Project, volunteer_user: User,
-                                              other_volunteer: User) -> None:
+def test_each_volunteer_gets_its_own_instance(
+    mlp_project: Project, volunteer_user: User, other_volunteer: User
+) -> None:
     first, second = assign(volunteer_user), assign(other_volunteer)
     assert first.work_unit_id != second.work_unit_id
     assert lifecycle.work_unit_assign(user=volunteer_user) is None  # the round is all handed out
@@ -44,21 +45,24 @@ def test_slow_devices_get_smaller_work_units(mlp_project: Project, volunteer_use
     assert rest.shard_id == result.work_unit.shard_id and rest.wanted == 1
 
 
-def test_results_only_from_the_assigned_volunteer(mlp_project: Project, volunteer_user: User,
-                                                  other_volunteer: User) -> None:
+def test_results_only_from_the_assigned_volunteer(
+    mlp_project: Project, volunteer_user: User, other_volunteer: User
+) -> None:
     result = assign(volunteer_user)
     with pytest.raises(ResultError) as stolen:
         receive(other_volunteer, result)
     assert stolen.value.code == "not_assigned"
     with pytest.raises(ResultError) as unknown:
-        lifecycle.result_receive(user=volunteer_user, work_unit_id=10**9, samples=1, loss=0.0, compute_ms=0,
-                                 payload=b"")
+        lifecycle.result_receive(
+            user=volunteer_user, work_unit_id=10**9, samples=1, loss=0.0, compute_ms=0, payload=b""
+        )
     assert unknown.value.code == "unknown_work_unit"
     assert Result.objects.get().status == Result.Status.IN_PROGRESS and not CreditEntry.objects.exists()
 
 
-def test_oversize_updates_are_refused_before_anything_is_stored(mlp_project: Project, volunteer_user: User,
-                                                                 settings) -> None:  # type: ignore[no-untyped-def]
+def test_oversize_updates_are_refused_before_anything_is_stored(
+    mlp_project: Project, volunteer_user: User, settings
+) -> None:  # type: ignore[no-untyped-def]
     settings.CROWDTRAIN = {**settings.CROWDTRAIN, "MAX_RESULT_BYTES": 1000}
     result = assign(volunteer_user)
     with pytest.raises(ResultError) as refused:
@@ -77,8 +81,9 @@ def test_duplicate_results_are_idempotent(mlp_project: Project, volunteer_user: 
     assert CreditEntry.objects.count() == 1
 
 
-def test_released_work_goes_back_to_the_pool_without_penalty(mlp_project: Project, volunteer_user: User,
-                                                             other_volunteer: User) -> None:
+def test_released_work_goes_back_to_the_pool_without_penalty(
+    mlp_project: Project, volunteer_user: User, other_volunteer: User
+) -> None:
     result = assign(volunteer_user)
     assert lifecycle.results_release(user=other_volunteer, work_unit_ids=[result.work_unit_id]) == 0
     assert lifecycle.results_release(user=volunteer_user, work_unit_ids=[result.work_unit_id]) == 1

@@ -8,9 +8,9 @@ import re
 from typing import Any
 
 import pytest
-from django.utils import timezone
 from django.contrib.auth.models import User
 from django.test import Client
+from django.utils import timezone
 
 from frontend.templatetags.crowdtrain import format_flops
 from projects.blobs import blob_put
@@ -32,8 +32,13 @@ def accepted_result(project: Project, user: User, count: int = 50) -> Result:
         project=project, version=version, shard=shard, offset=0, count=count, status=WorkUnit.Status.VALIDATED
     )
     return Result.objects.create(
-        work_unit=work_unit, volunteer=user, status=Result.Status.RECEIVED, validation=Result.Validation.VALID,
-        samples=count, loss=1.0, deadline=timezone.now(),
+        work_unit=work_unit,
+        volunteer=user,
+        status=Result.Status.RECEIVED,
+        validation=Result.Validation.VALID,
+        samples=count,
+        loss=1.0,
+        deadline=timezone.now(),
     )
 
 

@@ -9,7 +9,6 @@ import torch
 from django.contrib.auth.models import User
 from django.utils import timezone
 
-from engine import codecs
 from projects import training
 from projects.models import ModelVersion, Project, Result, WorkUnit
 from projects.services import version_evaluate, version_weights
@@ -26,8 +25,9 @@ def fp32(project: Project, **changes: object) -> Project:
     return project
 
 
-def torch_step(weights: dict[str, torch.Tensor], grad: dict[str, torch.Tensor], **sgd: object
-               ) -> dict[str, torch.Tensor]:
+def torch_step(
+    weights: dict[str, torch.Tensor], grad: dict[str, torch.Tensor], **sgd: object
+) -> dict[str, torch.Tensor]:
     params = {k: torch.nn.Parameter(v.clone()) for k, v in weights.items()}
     optimizer = torch.optim.SGD(params.values(), **sgd)  # type: ignore[arg-type]
     for name, param in params.items():
@@ -50,8 +50,9 @@ def mean(updates: list[tuple[dict[str, torch.Tensor], int]]) -> dict[str, torch.
     return {k: sum(u[k] * n for u, n in updates) / total for k in updates[0][0]}  # type: ignore[misc]
 
 
-def test_sync_round_steps_exactly_like_torch_sgd(mlp_project: Project, volunteer_user: User,
-                                                 other_volunteer: User) -> None:
+def test_sync_round_steps_exactly_like_torch_sgd(
+    mlp_project: Project, volunteer_user: User, other_volunteer: User
+) -> None:
     project = fp32(mlp_project)
     v0 = version_weights(version=project.current_version())
     updates = round_of_two(project, (volunteer_user, other_volunteer))
@@ -61,8 +62,9 @@ def test_sync_round_steps_exactly_like_torch_sgd(mlp_project: Project, volunteer
         torch.testing.assert_close(published[name], value, rtol=1e-6, atol=1e-7)
 
 
-def test_averaging_takes_an_outer_nesterov_step_on_the_mean_delta(mlp_project: Project, volunteer_user: User,
-                                                                  other_volunteer: User) -> None:
+def test_averaging_takes_an_outer_nesterov_step_on_the_mean_delta(
+    mlp_project: Project, volunteer_user: User, other_volunteer: User
+) -> None:
     project = fp32(mlp_project, mode="averaging", learning_rate=0.7, momentum=0.9)
     v0 = version_weights(version=project.current_version())
     updates = round_of_two(project, (volunteer_user, other_volunteer))
@@ -72,8 +74,9 @@ def test_averaging_takes_an_outer_nesterov_step_on_the_mean_delta(mlp_project: P
         torch.testing.assert_close(published[name], value, rtol=1e-5, atol=1e-6)
 
 
-def test_a_round_closes_at_its_timeout_and_drops_the_straggler(mlp_project: Project, volunteer_user: User,
-                                                               other_volunteer: User) -> None:
+def test_a_round_closes_at_its_timeout_and_drops_the_straggler(
+    mlp_project: Project, volunteer_user: User, other_volunteer: User
+) -> None:
     straggler = assign(other_volunteer)
     assert receive(volunteer_user, assign(volunteer_user)).status == "valid"  # half the round
     assert mlp_project.current_version().number == 0
@@ -85,8 +88,9 @@ def test_a_round_closes_at_its_timeout_and_drops_the_straggler(mlp_project: Proj
     assert CreditEntry.objects.count() == 1
 
 
-def test_async_applies_each_update_weighted_by_staleness(mlp_project: Project, volunteer_user: User,
-                                                         other_volunteer: User) -> None:
+def test_async_applies_each_update_weighted_by_staleness(
+    mlp_project: Project, volunteer_user: User, other_volunteer: User
+) -> None:
     project = fp32(mlp_project, mode="async_sgd", momentum=0.0, staleness_bound=2)
     slow, fast = assign(other_volunteer), assign(volunteer_user)
     assert receive(volunteer_user, fast).status == "valid"
@@ -125,7 +129,11 @@ def test_training_through_the_services_learns_digits(mlp_project: Project, volun
     assert version.number == 60
     assert version_evaluate(version_id=version.pk)["test_accuracy"] > 0.8
     ledger = sum(CreditEntry.objects.values_list("flops", flat=True))
-    assert ledger == Volunteer.objects.get(user=volunteer_user).total_flops == 120 * 50 * mlp_project.flops_per_sample
+    assert (
+        ledger
+        == Volunteer.objects.get(user=volunteer_user).total_flops
+        == 120 * 50 * mlp_project.flops_per_sample
+    )
     assert not WorkUnit.objects.filter(status=WorkUnit.Status.OPEN, version__number__lt=60).exists()
 
 

@@ -47,8 +47,9 @@ def test_an_untrusted_volunteers_honest_update_is_spot_checked_and_credited(
 
 
 @pytest.mark.parametrize("how", ["nan", "shape", "sign_flip", "scaled", "random"])
-def test_bad_updates_are_invalid_earn_nothing_and_are_resent(mlp_project: Project, volunteer_user: User,
-                                                             how: str) -> None:
+def test_bad_updates_are_invalid_earn_nothing_and_are_resent(
+    mlp_project: Project, volunteer_user: User, how: str
+) -> None:
     Volunteer.objects.create(user=volunteer_user, consecutive_valid=3)
     result = assign(volunteer_user)
     outcome = receive(volunteer_user, result, tampered(result.work_unit, how))
@@ -78,8 +79,9 @@ def test_replayed_updates_are_invalid(mlp_project: Project, volunteer_user: User
     assert outcome.status == "invalid" and "replay" in outcome.reason
 
 
-def test_trusted_volunteers_skip_spot_checks_but_not_the_norm_check(mlp_project: Project,
-                                                                    volunteer_user: User) -> None:
+def test_trusted_volunteers_skip_spot_checks_but_not_the_norm_check(
+    mlp_project: Project, volunteer_user: User
+) -> None:
     mlp_project.spot_check_rate = 0.0
     mlp_project.save()
     Volunteer.objects.create(user=volunteer_user, consecutive_valid=mlp_project.trust_threshold)
@@ -88,9 +90,14 @@ def test_trusted_volunteers_skip_spot_checks_but_not_the_norm_check(mlp_project:
     assert not judged(honest).spot_checked
     Result.objects.filter(pk=honest.pk).update(update_norm=1e-3)
     for index in range(4):  # a history of small updates
-        Result.objects.create(work_unit=honest.work_unit, volunteer=User.objects.create_user(f"h{index}"),
-                              deadline=honest.deadline, status=Result.Status.RECEIVED,
-                              validation=Result.Validation.VALID, update_norm=1e-3)
+        Result.objects.create(
+            work_unit=honest.work_unit,
+            volunteer=User.objects.create_user(f"h{index}"),
+            deadline=honest.deadline,
+            status=Result.Status.RECEIVED,
+            validation=Result.Validation.VALID,
+            update_norm=1e-3,
+        )
     scaled = assign(volunteer_user)
     outcome = receive(volunteer_user, scaled, tampered(scaled.work_unit, "scaled"))
     assert outcome.status == "invalid" and "norm" in outcome.reason

@@ -15,13 +15,18 @@ def honest_update(work_unit: WorkUnit) -> bytes:
     return codecs.encode(recompute(work_unit=work_unit), codec=work_unit.project.codec)
 
 
-def receive(user: User, result: Result, payload: bytes | None = None, samples: int | None = None,
-            loss: float = 1.0) -> ResultOutcome:
+def receive(
+    user: User, result: Result, payload: bytes | None = None, samples: int | None = None, loss: float = 1.0
+) -> ResultOutcome:
     """Upload an update for an assigned instance; Celery runs eagerly, so it is validated at once."""
     work_unit = result.work_unit
     return lifecycle.result_receive(
-        user=user, work_unit_id=work_unit.pk, samples=work_unit.count if samples is None else samples,
-        loss=loss, compute_ms=5, payload=honest_update(work_unit) if payload is None else payload,
+        user=user,
+        work_unit_id=work_unit.pk,
+        samples=work_unit.count if samples is None else samples,
+        loss=loss,
+        compute_ms=5,
+        payload=honest_update(work_unit) if payload is None else payload,
     )
 
 
