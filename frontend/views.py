@@ -13,6 +13,7 @@ from django.shortcuts import redirect, render
 from projects.selectors import TEST_ACCURACY, project_latest_metrics, project_list_running
 from workers.accounts import volunteer_create
 from workers.selectors import (
+    compute_share,
     credit_by_project,
     credit_by_volunteer,
     credit_rate_series,
@@ -64,6 +65,7 @@ def admin_dashboard(request: HttpRequest) -> HttpResponse:
         "by_project": credit_by_project(),
         "by_volunteer": credit_by_volunteer(limit=50),
         "volunteer_count": credit_volunteer_count(),
+        "compute_share": compute_share(hours=24),
         "rate_chart": {"labels": [at.strftime("%H:%M") for at, _ in rate], "values": [v for _, v in rate]},
     }
     return render(request, "admin/dashboard.html", context)

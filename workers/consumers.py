@@ -19,7 +19,7 @@ from projects.lifecycle import (
 from workers import protocol
 from workers.models import Device
 from workers.protocol import ProtocolError, ResultMeta
-from workers.services import device_register, volunteer_ensure
+from workers.services import device_disconnect, device_register, volunteer_ensure
 
 UNAUTHENTICATED = 4401
 
@@ -49,6 +49,8 @@ class VolunteerConsumer(AsyncWebsocketConsumer):
             return
         for group in self._groups():
             await self.channel_layer.group_discard(group, self.channel_name)
+        if self.device is not None:
+            await database_sync_to_async(device_disconnect)(device_id=self.device.pk)
         released = await database_sync_to_async(results_release)(
             user=self.user, work_unit_ids=list(self.assigned)
         )

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from datetime import datetime
+
 from django.conf import settings
 from django.db import models
 
@@ -38,9 +40,14 @@ class Device(models.Model):
     gflops = models.FloatField(default=0.0, help_text="Measured by the browser's benchmark.")
     observed_gflops = models.FloatField(default=0.0, help_text="Server-side FLOPs / reported compute time.")
     compute_ms = models.PositiveBigIntegerField(default=0, help_text="Time spent computing accepted work.")
+    disconnected_at = models.DateTimeField(null=True, blank=True)
     user_agent = models.CharField(max_length=300, blank=True)
     last_seen = models.DateTimeField(auto_now=True)
     created_at = models.DateTimeField(auto_now_add=True)
+
+    def connected_ms(self, *, now: datetime) -> int:
+        end = self.disconnected_at or now
+        return max(0, int((end - self.created_at).total_seconds() * 1000))
 
     def speed_gflops(self) -> float:
         """Observed throughput once known; the browser's own benchmark until then."""

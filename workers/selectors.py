@@ -9,7 +9,7 @@ from django.db.models import QuerySet, Sum
 from django.db.models.functions import TruncMinute
 from django.utils import timezone
 
-from workers.models import CreditEntry, Volunteer
+from workers.models import CreditEntry, Device, Volunteer
 
 
 @dataclass(frozen=True)
@@ -79,3 +79,11 @@ def leaderboard(*, limit: int = 100) -> QuerySet[Volunteer]:
         .select_related("user", "team")
         .order_by("-total_flops", "-results_accepted", "user__username")[:limit]
     )
+
+
+def compute_share(*, hours: int = 24) -> float | None:
+    """Share of connected time that volunteers' devices spent computing valid work (None: no devices)."""
+    now = timezone.now()
+    devices = Device.objects.filter(created_at__gte=now - timedelta(hours=hours))
+    connected = sum(device.connected_ms(now=now) for device in devices)
+    return sum(device.compute_ms for device in devices) / connected if connected else None

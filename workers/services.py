@@ -6,6 +6,7 @@ from typing import TYPE_CHECKING, Any
 
 from django.contrib.auth.models import User
 from django.db.models import F
+from django.utils import timezone
 
 from workers.models import CreditEntry, Device, Volunteer
 
@@ -47,3 +48,7 @@ def _finite_float(value: Any) -> float:
     except (TypeError, ValueError):
         return 0.0
     return number if 0.0 <= number < 1e9 else 0.0
+
+
+def device_disconnect(*, device_id: int) -> None:
+    Device.objects.filter(pk=device_id, disconnected_at=None).update(disconnected_at=timezone.now())

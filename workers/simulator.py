@@ -1,11 +1,16 @@
-"""A simulated volunteer: a Python client of docs/protocol.md that computes real gradients with engine/.
+"""A simulated volunteer: a Python client of docs/protocol.md that computes real updates with engine/.
 
 It is an outside client, exactly like a browser: it signs up / logs in over HTTP, opens the volunteer
 WebSocket with the session cookie, and downloads graphs, weights and shards from the blob URLs. It never
 imports Django models nor touches the database, so it can load-test any running server.
 
+Each assigned work unit is computed as its `task` says (a gradient, or local SGD steps whose result is the
+weight delta), encoded with the assigned `codec` (int8 with an error-feedback residual per project, like
+the browser). `ack` only means "received"; the verdict and the credit arrive later in a `credit` message,
+so verdicts are collected per work unit whenever they come, also across reconnects.
+
 Emulated hardware: results are not sent sooner than samples * FLOPs / speed, and transfers take no less
-than size * 8 / bandwidth + latency. Byzantine behaviours tamper with the gradient before it is sent.
+than size * 8 / bandwidth + latency. Byzantine behaviours tamper with the update before it is sent.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ import contextlib
 import http.cookiejar
 import json
 import logging
+import math
 import random
 import re
 import time
@@ -34,12 +40,13 @@ from websockets.typing import Origin
 from engine import codecs
 from engine.flops import train_flops_per_sample
 from engine.graph import Graph, load_graph
-from engine.runtime import compute_gradients
+from engine.runtime import compute_gradients, local_steps
 
 logger = logging.getLogger(__name__)
 
 PROTOCOL_VERSION = 1
 BYZANTINE = ("none", "scaled", "sign_flip", "random", "nan", "stale_replay")
+VERDICTS = ("valid", "invalid", "late")  # final statuses; "pending" in an ack means a `credit` follows
 CSRF_RE = re.compile(r'name="csrfmiddlewaretoken" value="([^"]+)"')
 Tensors = dict[str, torch.Tensor]
 
@@ -68,6 +75,8 @@ class SimulatorConfig:
     max_work_units: int | None = None  # stop after this many (results sent + dropped)
     duration_s: float | None = None  # stop asking for work after this long
     byzantine: str = "none"  # one of BYZANTINE
+    prefetch: bool = False  # ask for the next work unit while computing (two in flight)
+    verdict_timeout_s: float = 30.0  # when done, how long to wait for the verdicts still outstanding
     seed: int | None = None
 
     def __post_init__(self) -> None:
@@ -75,22 +84,55 @@ class SimulatorConfig:
             raise ValueError(f"byzantine must be one of {BYZANTINE}, not {self.byzantine!r}")
 
 
+@dataclass(frozen=True)
+class Verdict:
+    """How the server judged one result (from a final `ack` or the later `credit` message)."""
+
+    status: str  # one of VERDICTS
+    reason: str
+    credit_flops: int
+
+
 @dataclass
 class SimulatorStats:
     username: str
     work_units: int = 0  # results sent
-    accepted: int = 0
-    rejected: int = 0
     dropped: int = 0  # connections dropped on purpose (failure_probability)
     cancelled: int = 0
     reconnects: int = 0  # connections the server closed and the simulator reopened
     errors: int = 0  # `error` frames from the server
+    unanswered: int = 0  # results sent whose verdict never came (set when the run ends)
     credit_flops: int = 0
     bytes_sent: int = 0
     bytes_received: int = 0
     compute_seconds: float = 0.0
     wall_seconds: float = 0.0
-    reasons: list[str] = field(default_factory=list)  # why results were rejected
+    verdicts: dict[int, Verdict] = field(default_factory=dict)  # work unit id -> verdict
+
+    def count(self, status: str) -> int:
+        return sum(1 for v in self.verdicts.values() if v.status == status)
+
+    @property
+    def valid(self) -> int:
+        return self.count("valid")
+
+    @property
+    def invalid(self) -> int:
+        return self.count("invalid")
+
+    @property
+    def late(self) -> int:
+        return self.count("late")
+
+    @property
+    def reasons(self) -> list[str]:
+        """Why results earned nothing, as "status: reason"."""
+        return [f"{v.status}: {v.reason}" for v in self.verdicts.values() if v.status != "valid"]
+
+    @property
+    def compute_share(self) -> float:
+        """Share of wall time spent computing (low: the volunteer mostly waits on the server)."""
+        return self.compute_seconds / self.wall_seconds if self.wall_seconds > 0 else 0.0
 
 
 @dataclass(frozen=True)
@@ -98,15 +140,26 @@ class Unit:
     """One `assign`ed work unit (the fields the simulator uses)."""
 
     id: int
+    project_id: int
     model_version: int
+    task: str  # "gradient" | "local_steps"
     graph_url: str
     weights_url: str
     shards: list[dict[str, Any]]
+    batch_size: int
+    lr: float
+    momentum: float
+    codec: str
 
     @classmethod
     def parse(cls, raw: dict[str, Any]) -> Unit:
-        return cls(int(raw["id"]), int(raw["model_version"]), raw["graph_url"], raw["weights_url"],
-                   list(raw["shards"]))
+        local = raw.get("local") or {}
+        return cls(
+            id=int(raw["id"]), project_id=int(raw["project"]["id"]), model_version=int(raw["model_version"]),
+            task=str(raw.get("task", "gradient")), graph_url=raw["graph_url"], weights_url=raw["weights_url"],
+            shards=list(raw["shards"]), batch_size=int(raw["batch_size"]), lr=float(local.get("lr", 0.0)),
+            momentum=float(local.get("momentum", 0.0)), codec=str(raw.get("codec", "int8")),
+        )
 
     @property
     def samples(self) -> int:
@@ -205,6 +258,20 @@ def tamper(grads: Tensors, behaviour: str, generator: torch.Generator) -> Tensor
     return grads
 
 
+def honest_update(graph: Graph, weights: Tensors, x: torch.Tensor, y: torch.Tensor, unit: Unit
+                  ) -> tuple[Tensors, float]:
+    """What an honest browser computes for `unit` (docs/protocol.md "Tasks"): the update and its loss."""
+    inputs, targets = {graph.inputs[0].name: x}, {graph.targets[0].name: y}
+    if unit.task == "local_steps":
+        local = local_steps(graph, weights, inputs, targets, batch_size=unit.batch_size, lr=unit.lr,
+                            momentum=unit.momentum)
+        return local.delta, local.loss
+    if unit.task != "gradient":
+        raise SimulatorError(f"unknown task {unit.task!r}")
+    result = compute_gradients(graph, weights, inputs, targets)
+    return result.grads, result.loss
+
+
 # --- the volunteer ------------------------------------------------------------------------------------
 
 
@@ -213,19 +280,25 @@ class _Dropped(Exception):
 
 
 class Simulator:
-    """One simulated volunteer; `run()` works until max_work_units / duration, then returns its stats."""
+    """One simulated volunteer; `run()` works until max_work_units / duration / stop(), then returns
+    its stats."""
 
-    def __init__(self, config: SimulatorConfig, on_ack: Callable[[dict[str, Any]], None] | None = None
-                 ) -> None:
-        self.config, self.on_ack = config, on_ack
+    def __init__(self, config: SimulatorConfig,
+                 on_verdict: Callable[[int, Verdict], None] | None = None) -> None:
+        self.config, self.on_verdict = config, on_verdict
         self.stats = SimulatorStats(config.username)
         self.http = Http(config.url)
         self.link = Link(config.bandwidth_mbit, config.latency_ms)
         self.cache = BlobCache()
         self.graphs: dict[str, tuple[Graph, int]] = {}  # graph URL -> (graph, train FLOPs per sample)
+        self.feedback: dict[int, codecs.ErrorFeedback] = {}  # project id -> int8 residual
         self.random = random.Random(config.seed)
         self.generator = torch.Generator().manual_seed(config.seed or 0)
         self.replay: bytes | None = None  # the first payload, resubmitted by stale_replay
+        self.awaiting: set[int] = set()  # results sent, verdict not yet known
+        self.verdict_arrived = asyncio.Event()
+        self.session: _Session | None = None
+        self.stopped = False
         self.started = time.monotonic()
         self.retries = 0  # consecutive reconnects; an ack resets it
 
@@ -237,13 +310,45 @@ class Simulator:
                 await self._session()
         finally:
             self.stats.wall_seconds = time.monotonic() - self.started
+            self.stats.unanswered = len(self.awaiting)
         return self.stats
 
+    def stop(self) -> None:
+        """Finish gracefully: no more work is asked for; outstanding verdicts are still awaited.
+        Call it from the event loop running `run()`."""
+        self.stopped = True
+        if self.session is not None:
+            self.session.inbox.put_nowait({"type": "closed"})  # wakes a session waiting for an assign
+
+    def remaining(self) -> float:
+        limit = self.config.max_work_units
+        return math.inf if limit is None else limit - self.stats.work_units - self.stats.dropped
+
     def finished(self) -> bool:
-        limit, duration = self.config.max_work_units, self.config.duration_s
-        if limit is not None and self.stats.work_units + self.stats.dropped >= limit:
+        if self.stopped or self.remaining() <= 0:
             return True
+        duration = self.config.duration_s
         return duration is not None and time.monotonic() - self.started >= duration
+
+    def record(self, message: dict[str, Any]) -> None:
+        """Book a verdict from a final `ack` or a `credit`; each work unit counts once (with eager
+        validation both arrive)."""
+        unit_id, status = int(message["work_unit"]), str(message.get("status", ""))
+        if status not in VERDICTS or unit_id in self.stats.verdicts:
+            return
+        verdict = Verdict(status, str(message.get("reason", "")), int(message.get("credit_flops", 0)))
+        self.stats.verdicts[unit_id] = verdict
+        self.stats.credit_flops += verdict.credit_flops
+        self.awaiting.discard(unit_id)
+        self.verdict_arrived.set()
+        if self.on_verdict is not None:
+            self.on_verdict(unit_id, verdict)
+
+    def encode(self, unit: Unit, update: Tensors) -> bytes:
+        """The honest wire format: int8 carries this project's residual forward (error feedback)."""
+        if unit.codec != "int8":
+            return codecs.encode(update, unit.codec)
+        return self.feedback.setdefault(unit.project_id, codecs.ErrorFeedback("int8")).compress(update)
 
     # --- HTTP: account and blobs
 
@@ -290,17 +395,20 @@ class Simulator:
         return f"{scheme}://{parts.netloc}/ws/volunteer/"
 
     async def _session(self) -> None:
-        """One connection: hello, then ready / assign / result / ack until done or dropped."""
+        """One connection: hello, then ready / assign / result until done or dropped."""
         headers = {"Cookie": self.http.cookie_header()}
         origin = self.config.url.rstrip("/")
         try:
             async with connect(self._ws_url(), additional_headers=headers, origin=Origin(origin),
                                max_size=2**26) as ws:
-                await _Session(self, ws).run()
+                self.session = _Session(self, ws)
+                await self.session.run()
         except _Dropped:
             self.stats.dropped += 1
         except (_ServerClosed, ConnectionClosed, OSError) as exc:
             await self._reconnect_later(exc)
+        finally:
+            self.session = None
 
     async def _reconnect_later(self, exc: BaseException) -> None:
         if self.finished():
@@ -314,20 +422,26 @@ class Simulator:
 
 
 class _Session:
-    """The frames of one connection. A reader task sorts incoming frames: cancels are applied at once,
-    everything else is queued for the work loop."""
+    """The frames of one connection. A reader task sorts incoming frames: cancels, acks and credits are
+    applied at once; assigns (and the end of the connection) are queued for the work loop.
+
+    At most one `ready` is open at a time (an `idle` reply parks it: the server pushes an assign later),
+    so with prefetch the connection holds at most the unit being computed plus one, as the server allows.
+    """
 
     def __init__(self, sim: Simulator, ws: ClientConnection) -> None:
         self.sim, self.ws, self.stats = sim, ws, sim.stats
         self.inbox: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
         self.cancelled: dict[int, asyncio.Event] = {}
+        self.requested = False  # a `ready` is open (sent, no assign yet)
+        self.closed = False
 
     async def run(self) -> None:
         reader = asyncio.create_task(self._read())
         try:
             await self._hello()
-            while not self.sim.finished():
-                await self._one_work_unit()
+            await self._work()
+            await self._await_verdicts()
             with contextlib.suppress(ConnectionClosed):
                 await self.send({"type": "bye"})
         finally:
@@ -345,26 +459,31 @@ class _Session:
                 self._dispatch(json.loads(raw))
         except ConnectionClosed:
             pass
+        self.closed = True
+        self.sim.verdict_arrived.set()  # no verdict can come on this connection any more
         await self.inbox.put({"type": "closed"})
 
     def _dispatch(self, message: dict[str, Any]) -> None:
-        if message.get("type") == "cancel":
+        kind = message.get("type")
+        if kind == "cancel":
             for unit_id in message.get("work_units", []):
                 self.cancelled.setdefault(int(unit_id), asyncio.Event()).set()
-            return
-        self.inbox.put_nowait(message)
-
-    async def receive(self, *types: str) -> dict[str, Any]:
-        """The next queued frame of one of `types`; idle frames just mean "wait for a pushed assign"."""
-        while True:
-            message = await self._next()
-            if message["type"] in types:
-                return message
-            if message["type"] == "error":
-                self.stats.errors += 1
-                logger.warning("%s: server error %s", self.stats.username, message)
-                if "error" in types:
-                    return message
+        elif kind == "ack":
+            self.sim.retries = 0
+            self.sim.record(message)  # a final status (e.g. late) comes without a later `credit`
+        elif kind == "credit":
+            self.sim.record(message)
+        elif kind == "error":
+            self.stats.errors += 1
+            logger.warning("%s: server error %s", self.stats.username, message)
+            if message.get("code") == "busy":
+                self.requested = False
+        elif kind == "assign":
+            self.requested = False
+            self.inbox.put_nowait(message)
+        elif kind == "welcome":
+            self.inbox.put_nowait(message)
+        # `idle`: the open `ready` stays parked on the server, which pushes an assign when work appears.
 
     async def _next(self) -> dict[str, Any]:
         timeout = None
@@ -384,40 +503,47 @@ class _Session:
                          "device": {"backend": "simulator", "gflops": config.gflops,
                                     "user_agent": "crowdtrain-simulator"},
                          "preferences": {"max_work_units": config.max_work_units}})
-        welcome = await self.receive("welcome", "closed")
+        welcome = await self._next()
         if welcome["type"] != "welcome":
             raise _ServerClosed("closed instead of welcome")
 
-    async def _one_work_unit(self) -> None:
-        await self.send({"type": "ready"})
-        message = await self.receive("assign", "closed")
-        if message["type"] == "closed":
-            self._check_open()
-            return
-        unit = Unit.parse(message["work_unit"])
-        cancel = self.cancelled.setdefault(unit.id, asyncio.Event())
-        if await _Work(self, unit, cancel).run():
-            await self._await_ack(unit)
+    async def _work(self) -> None:
+        while not self.sim.finished():
+            unit = await self._next_unit()
+            if unit is None:
+                self._check_open()
+                return
+            if self.sim.config.prefetch and self.sim.remaining() > 1:
+                await self._request()  # the next unit downloads while this one computes
+            cancel = self.cancelled.setdefault(unit.id, asyncio.Event())
+            await _Work(self, unit, cancel).run()
+
+    async def _request(self) -> None:
+        if not self.requested:
+            self.requested = True
+            await self.send({"type": "ready"})
+
+    async def _next_unit(self) -> Unit | None:
+        """A prefetched assign if one is queued, else ask (unless asked already) and wait for one."""
+        if self.inbox.empty():
+            await self._request()
+        message = await self._next()
+        return Unit.parse(message["work_unit"]) if message["type"] == "assign" else None
 
     def _check_open(self) -> None:
         if not self.sim.finished():
             raise _ServerClosed("closed while waiting for work")
 
-    async def _await_ack(self, unit: Unit) -> None:
-        message = await self.receive("ack", "error", "closed")
-        if message["type"] == "ack":
-            self.sim.retries = 0
-            self.stats.credit_flops += int(message["credit_flops"])
-            self._count(message)
-        if self.sim.on_ack is not None:
-            self.sim.on_ack(message)
-
-    def _count(self, ack: dict[str, Any]) -> None:
-        if ack["accepted"]:
-            self.stats.accepted += 1
-        else:
-            self.stats.rejected += 1
-            self.stats.reasons.append(str(ack.get("reason", "")))
+    async def _await_verdicts(self) -> None:
+        """Verdicts come after validation, so linger (up to verdict_timeout_s) to count them."""
+        deadline = time.monotonic() + self.sim.config.verdict_timeout_s
+        while self.sim.awaiting and not self.closed:
+            self.sim.verdict_arrived.clear()
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.sim.verdict_arrived.wait(), left)
 
 
 class _Work:
@@ -427,19 +553,22 @@ class _Work:
         self.session, self.sim, self.unit, self.cancel = session, session.sim, unit, cancel
 
     async def run(self) -> bool:
-        """True if a result was sent (an ack will follow); False if the unit was cancelled."""
+        """True if a result was sent (a verdict will follow); False if the unit was cancelled."""
+        if self.cancel.is_set():  # a prefetched unit whose round closed before we got to it
+            self.sim.stats.cancelled += 1
+            return False
         started = time.monotonic()
         graph, flops = await self.sim.graph(self.unit.graph_url)
         weights = codecs.decode(await self.sim.download(self.unit.weights_url))[0]
         x, y = await self._samples()
         download_ms = int((time.monotonic() - started) * 1000)
-        grads, loss, compute_s = await self._compute(graph, weights, x, y)
+        update, loss, compute_s = await self._compute(graph, weights, x, y)
         device_s = max(compute_s, self._device_seconds(flops))
         if not await self._wait(device_s - compute_s):
             self.sim.stats.cancelled += 1
             return False
         self._maybe_fail()
-        await self._send(grads, loss, int(device_s * 1000), download_ms)
+        await self._send(self._payload(update), loss, int(device_s * 1000), download_ms)
         return True
 
     def _device_seconds(self, flops_per_sample: int) -> float:
@@ -460,17 +589,18 @@ class _Work:
                        ) -> tuple[Tensors, float, float]:
         started = time.monotonic()
         # In a thread: torch releases the GIL, so many simulated volunteers compute side by side.
-        result = await asyncio.to_thread(
-            compute_gradients, graph, weights, {graph.inputs[0].name: x}, {graph.targets[0].name: y})
+        update, loss = await asyncio.to_thread(honest_update, graph, weights, x, y, self.unit)
         seconds = time.monotonic() - started
         self.sim.stats.compute_seconds += seconds
         await self.session.send({"type": "progress", "work_unit": self.unit.id, "fraction": 1.0})
-        return result.grads, result.loss, seconds
+        return update, loss, seconds
 
     async def _wait(self, seconds: float) -> bool:
         """Sleep out the emulated compute time; False as soon as the server cancels the unit."""
+        if self.cancel.is_set():
+            return False
         try:
-            await asyncio.wait_for(self.cancel.wait(), timeout=seconds)
+            await asyncio.wait_for(self.cancel.wait(), timeout=max(0.0, seconds))
         except TimeoutError:
             return True
         return False
@@ -481,8 +611,7 @@ class _Work:
             self.session.ws.transport.abort()
             raise _Dropped
 
-    async def _send(self, grads: Tensors, loss: float, compute_ms: int, download_ms: int) -> None:
-        payload = self._payload(grads)
+    async def _send(self, payload: bytes, loss: float, compute_ms: int, download_ms: int) -> None:
         await self.session.send({
             "type": "result", "work_unit": self.unit.id, "model_version": self.unit.model_version,
             "samples": self.unit.samples, "loss": loss,
@@ -490,14 +619,19 @@ class _Work:
         })
         started = time.monotonic()
         await self.sim.link.pace(len(payload), started)  # the upload's emulated duration, then it lands
+        self.sim.awaiting.add(self.unit.id)
         await self.session.ws.send(payload)
         self.sim.stats.bytes_sent += len(payload)
         self.sim.stats.work_units += 1
 
-    def _payload(self, grads: Tensors) -> bytes:
+    def _payload(self, update: Tensors) -> bytes:
         behaviour = self.sim.config.byzantine
-        if behaviour == "stale_replay" and self.sim.replay is not None:
-            return self.sim.replay  # an old result's bytes, for a different work unit
-        payload = codecs.encode(tamper(grads, behaviour, self.sim.generator))
-        self.sim.replay = self.sim.replay or payload
-        return payload
+        if behaviour == "none":
+            return self.sim.encode(self.unit, update)
+        if behaviour == "stale_replay":
+            # The first result is honest; every later one resends its bytes for a different work unit.
+            self.sim.replay = self.sim.replay or self.sim.encode(self.unit, update)
+            return self.sim.replay
+        # No error feedback for attacks: a NaN residual could not even be quantised, and the attacker's
+        # residual is irrelevant anyway.
+        return codecs.encode(tamper(update, behaviour, self.sim.generator), self.unit.codec)

@@ -15,8 +15,7 @@ from argparse import ArgumentParser
 from pathlib import Path
 from typing import Any
 
-from django.contrib.auth import get_user_model
-from django.contrib.auth.models import AbstractBaseUser
+from django.contrib.auth.models import User
 from django.core.management.base import BaseCommand, CommandError
 from django.db import transaction
 from kombu.exceptions import OperationalError as KombuOperationalError
@@ -82,8 +81,8 @@ def write_files(directory: Path, exported: Exported) -> list[Path]:
     return [graph_path, weights_path]
 
 
-def find_owner(username: str) -> AbstractBaseUser:
-    owner = get_user_model().objects.filter(username=username).first()
+def find_owner(username: str) -> User:
+    owner = User.objects.filter(username=username).first()
     if owner is None:
         raise CommandError(f"There is no user '{username}'.")
     return owner

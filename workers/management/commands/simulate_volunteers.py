@@ -17,8 +17,8 @@ from tqdm import tqdm
 
 from workers.simulator import BYZANTINE, Simulator, SimulatorConfig, SimulatorStats
 
-COLUMNS = ("username", "work_units", "accepted", "rejected", "dropped", "reconnects", "credit_flops",
-           "bytes_sent", "bytes_received", "compute_seconds", "wall_seconds")
+COLUMNS = ("username", "work_units", "valid", "invalid", "late", "unanswered", "dropped", "reconnects",
+           "credit_flops", "bytes_sent", "bytes_received", "compute_seconds", "wall_seconds", "compute_share")
 
 
 def configs(options: dict[str, Any]) -> list[SimulatorConfig]:
@@ -29,7 +29,8 @@ def configs(options: dict[str, Any]) -> list[SimulatorConfig]:
         url=options["url"], username=f"sim-{i + 1:04d}", password=options["password"], signup=True,
         gflops=options["gflops"], bandwidth_mbit=options["bandwidth_mbit"], latency_ms=options["latency_ms"],
         failure_probability=options["failure_probability"], max_work_units=options["work_units"],
-        duration_s=options["duration"], byzantine=options["byzantine"] if i < byzantine else "none", seed=i,
+        duration_s=options["duration"], byzantine=options["byzantine"] if i < byzantine else "none",
+        prefetch=options["prefetch"], verdict_timeout_s=options["verdict_timeout"], seed=i,
     ) for i in range(count)]
 
 
@@ -43,7 +44,7 @@ def format_table(rows: list[SimulatorStats]) -> str:
 
 def _cell(value: Any) -> str:
     if isinstance(value, float):
-        return f"{value:.1f}"
+        return f"{value:.2f}" if value < 1 else f"{value:.1f}"
     return f"{value:,}" if isinstance(value, int) else str(value)
 
 
@@ -51,7 +52,8 @@ Outcome = SimulatorStats | BaseException
 
 
 async def simulate(all_configs: list[SimulatorConfig], bar: tqdm[Any]) -> list[Outcome]:
-    simulators = [Simulator(config, on_ack=lambda ack: bar.update()) for config in all_configs]
+    # The bar counts verdicts (valid, invalid or late), which arrive after validation, not on upload.
+    simulators = [Simulator(config, on_verdict=lambda unit, verdict: bar.update()) for config in all_configs]
     return list(await asyncio.gather(*(s.run() for s in simulators), return_exceptions=True))
 
 
@@ -70,13 +72,16 @@ class Command(BaseCommand):
         parser.add_argument("--byzantine-fraction", type=float, default=0.0)
         parser.add_argument("--work-units", type=int, help="Per volunteer.")
         parser.add_argument("--duration", type=float, help="Seconds.")
+        parser.add_argument("--prefetch", action="store_true", help="Ask for the next unit while computing.")
+        parser.add_argument("--verdict-timeout", type=float, default=30.0,
+                            help="Seconds to wait at the end for verdicts still being validated.")
 
     def handle(self, *args: Any, **options: Any) -> None:
         if options["work_units"] is None and options["duration"] is None:
             raise CommandError("Give --work-units or --duration (or both), or the simulation never ends.")
         # Many volunteers each with all cores would thrash; share the cores out instead.
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // options["count"]))
-        with tqdm(desc="work units", unit="wu") as bar:
+        with tqdm(desc="verdicts", unit="wu") as bar:
             outcomes = asyncio.run(simulate(configs(options), bar))
         stats = [o for o in outcomes if isinstance(o, SimulatorStats)]
         self.stdout.write(format_table(stats))
