@@ -108,3 +108,37 @@ def test_every_codec_is_accepted(mlp_project: Project, volunteer_user: User, cod
     Project.objects.filter(pk=mlp_project.pk).update(codec=codec)
     result = assign(volunteer_user)
     assert receive(volunteer_user, result).status == "valid"
+
+
+@pytest.fixture
+def cnn_project(researcher: User):  # type: ignore[no-untyped-def]
+    from projects.datasets import dataset_create_from_npz
+    from projects.services import project_create, project_start
+    from tests.conftest import mnist_arrays, npz_bytes
+
+    x, y = mnist_arrays(per_class=20)
+    dataset = dataset_create_from_npz(
+        owner=researcher, name="digit images", data=npz_bytes(x=x.reshape(-1, 1, 28, 28), y=y)
+    )
+    project = project_create(
+        owner=researcher,
+        name="CNN",
+        dataset=dataset,
+        preset="cnn",
+        settings={"batch_size": 32, "round_samples": 64, "codec": "fp32"},
+    )
+    return project_start(project=project)
+
+
+@pytest.mark.parametrize(
+    ("how", "status"), [("honest", "valid"), ("sign_flip", "invalid"), ("scaled", "invalid")]
+)
+def test_dropout_models_are_spot_checked_statistically(
+    cnn_project: Project, volunteer_user: User, how: str, status: str
+) -> None:
+    result = assign(volunteer_user)
+    torch.manual_seed(12345)  # a different dropout mask from the server's recomputation
+    payload = honest_update(result.work_unit) if how == "honest" else tampered(result.work_unit, how)
+    outcome = receive(volunteer_user, result, payload)
+    assert outcome.status == status, outcome.reason
+    assert judged(result).spot_checked
