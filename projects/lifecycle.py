@@ -23,6 +23,11 @@ from workers.models import Device, Volunteer
 
 # A connection may hold this many instances at once: one computing, one prefetched.
 MAX_IN_FLIGHT = 2
+# A received result still unvalidated this long after arrival has most likely lost its validate_result
+# message (worker SIGKILLed mid-task: Redis redelivers unacked tasks only after an hour; Redis restarted
+# empty; or the broker was down when daphne queued it). The transitioner queues it again.
+VALIDATION_RETRY_SECONDS = 30
+VALIDATION_RETRY_BATCH = 20  # per transitioner run: a long genuine backlog must not grow by much
 
 
 class ResultError(ValueError):
@@ -222,6 +227,19 @@ def results_expire() -> list[int]:
             result.save(update_fields=["status"])
             _reopen(work_unit=result.work_unit, failed=True)
     return sorted({r.work_unit.project_id for r in late})
+
+
+def results_unvalidated() -> list[int]:
+    """Received results whose validation never ran (see VALIDATION_RETRY_SECONDS), oldest first.
+    Queuing one again is harmless: result_validate decides a result once and ignores it afterwards."""
+    cutoff = timezone.now() - timedelta(seconds=VALIDATION_RETRY_SECONDS)
+    return list(
+        Result.objects.filter(
+            status=Result.Status.RECEIVED, validation=Result.Validation.PENDING, received_at__lt=cutoff
+        )
+        .order_by("received_at")
+        .values_list("pk", flat=True)[:VALIDATION_RETRY_BATCH]
+    )
 
 
 def _in_progress(condition: Q) -> list[Result]:

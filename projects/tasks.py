@@ -24,7 +24,10 @@ def feed_work_units() -> int:
 
 @shared_task
 def transition() -> int:
-    """The BOINC transitioner: time out late instances, resend their work, close expired rounds."""
+    """The BOINC transitioner: time out late instances, resend their work, close expired rounds,
+    and validate results whose validation message was lost (the database, not the queue, is the truth)."""
+    for result_id in lifecycle.results_unvalidated():
+        validate_result.delay(result_id)
     expired = lifecycle.results_expire()
     project_ids = set(expired) | set(training.rounds_close_expired())
     for project_id in project_ids:

@@ -60,8 +60,19 @@ def _pending(*, project: Project, current: ModelVersion) -> list[Result]:
 def _round_complete(*, project: Project, current: ModelVersion, results: list[Result], force: bool) -> bool:
     if project.mode == Project.Mode.ASYNC_SGD:
         return True
+    if force or sum(r.samples for r in results) >= project.round_samples:
+        return True
     expired = timezone.now() - current.created_at >= timedelta(seconds=project.round_timeout)
-    return force or expired or sum(r.samples for r in results) >= project.round_samples
+    # A timed-out round still waits for results that arrived while it was open and only sit in the
+    # validation queue: closing now would cancel them as "late" (no credit) although they were on time.
+    # Each decision calls project_step again, and lost validations are retried, so the wait is bounded.
+    return expired and not _awaiting_validation(current)
+
+
+def _awaiting_validation(current: ModelVersion) -> bool:
+    return Result.objects.filter(
+        work_unit__version=current, status=Result.Status.RECEIVED, validation=Result.Validation.PENDING
+    ).exists()
 
 
 def _publish(*, project: Project, current: ModelVersion, results: list[Result]) -> ModelVersion:

@@ -1,0 +1,1 @@
+"""Chaos tests: kill parts of the real stack while simulated volunteers train, then check the books."""

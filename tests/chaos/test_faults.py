@@ -1,0 +1,127 @@
+"""Chaos on the real stack (daphne + Celery worker + beat, PostgreSQL, a private Redis), MNIST MLP demo,
+honest simulated volunteers at full speed. Each test: train a little, inject one fault, require training
+to go on for a few more versions, stop the volunteers, let the transitioner settle, check the books.
+
+One stack serves all the tests (starting one costs more than a test): every test only asks for progress
+beyond the version it found, and the invariants hold over the whole history anyway.
+"""
+
+from __future__ import annotations
+
+import signal
+from collections.abc import Iterator
+
+import pytest
+
+from tests.chaos.harness import (
+    Crowd,
+    crowd_of,
+    latest_version,
+    scalar,
+    settle,
+    violations,
+    wait_for_validation_backlog,
+    wait_for_version,
+    wait_until_holding,
+)
+from tests.chaos.stack import ChaosStack
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
+
+BEFORE, AFTER = 1, 2  # versions of progress required before the fault, and after it
+PROGRESS_TIMEOUT = 60.0
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ChaosStack]:
+    running = ChaosStack(var_dir=tmp_path_factory.mktemp("chaos-stack"))
+    try:
+        running.start()
+        yield running
+    finally:
+        running.stop()
+
+
+@pytest.fixture
+def healthy(stack: ChaosStack) -> ChaosStack:
+    stack.ensure_running()
+    return stack
+
+
+def progress(stack: ChaosStack, versions: int) -> int:
+    """Wait for `versions` more versions; the version reached."""
+    target = latest_version(stack) + versions
+    reached = wait_for_version(stack, target, PROGRESS_TIMEOUT)
+    assert reached >= target, f"training stalled at v{reached} (wanted v{target}):\n{tail(stack)}"
+    return reached
+
+
+def tail(stack: ChaosStack) -> str:
+    return "\n".join(f"--- {name}.log\n{stack.log(name)[-1500:]}" for name in ("worker", "web"))
+
+
+def released(stack: ChaosStack) -> int:
+    return int(scalar(stack, "SELECT count(*) FROM projects_result WHERE status = 'released'"))
+
+
+def check_books(stack: ChaosStack, crowd: Crowd) -> None:
+    """After the crowd stopped: nobody gave up, and every invariant holds once things settled."""
+    assert crowd.crashed() == {}
+    settle(stack)
+    broken = violations(stack)
+    assert broken == {}, f"invariants broken: {broken}\n{tail(stack)}"
+
+
+def test_volunteers_killed_mid_work_unit(healthy: ChaosStack) -> None:
+    released_before = released(healthy)
+    with crowd_of(healthy) as crowd:
+        for i in range(2):
+            crowd.join(f"steady-{i}")
+            crowd.join(f"flaky-{i}", failure_probability=0.3)  # drops the TCP connection before sending
+        progress(healthy, BEFORE)
+        doomed = [f"doomed-{i}" for i in range(3)]  # and some just vanish while holding a work unit
+        for name in doomed:
+            crowd.join(name)
+        for name in doomed:
+            assert wait_until_holding(healthy, name)
+            crowd.kill(name)
+        progress(healthy, AFTER)
+    assert crowd.total("dropped") > 0
+    assert released(healthy) > released_before  # the dropped work went back to the pool
+    check_books(healthy, crowd)
+
+
+def test_celery_worker_killed_mid_training(healthy: ChaosStack) -> None:
+    with crowd_of(healthy) as crowd:
+        for i in range(3):
+            crowd.join(f"worker-chaos-{i}")
+        progress(healthy, BEFORE)
+        # Kill while a result that just arrived waits for validation: most likely mid-task.
+        assert wait_for_validation_backlog(healthy)
+        healthy.restart("worker", signal.SIGKILL)
+        progress(healthy, AFTER)
+    check_books(healthy, crowd)
+
+
+def test_daphne_restarted(healthy: ChaosStack) -> None:
+    with crowd_of(healthy) as crowd:
+        for i in range(3):
+            crowd.join(f"web-chaos-{i}")
+        progress(healthy, BEFORE)
+        healthy.restart("web", signal.SIGTERM)  # a deploy: every WebSocket drops at once
+        progress(healthy, AFTER)
+    assert crowd.total("reconnects") > 0
+    check_books(healthy, crowd)
+
+
+def test_redis_restarted(healthy: ChaosStack) -> None:
+    with crowd_of(healthy) as crowd:
+        for i in range(3):
+            crowd.join(f"redis-chaos-{i}")
+        progress(healthy, BEFORE)
+        # Comes back empty: queued tasks, unacked deliveries and channel-layer groups are gone.
+        healthy.restart_redis()
+        progress(healthy, AFTER)
+    # Every consumer died with its Redis connection: the volunteers had to come back.
+    assert crowd.total("reconnects") + crowd.rejected_handshakes > 0
+    check_books(healthy, crowd)
