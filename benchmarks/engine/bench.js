@@ -107,34 +107,5 @@
     }
   }
 
-  // One op in isolation, for profiling: ms per call of `fn` over `reps` calls (after one warm-up).
-  async function profileOps(backend, model, graphUrl, weightsUrl, batchUrl) {
-    await useBackend(backend);
-    const graph = ct.graph.load(await fetchBytes(graphUrl));
-    const weights = ct.codecs.decode(await fetchBytes(weightsUrl));
-    const batch = ct.codecs.decode(await fetchBytes(batchUrl));
-    const m = ct.runtime.createModel(graph, weights);
-    const inputs = inputsFor(graph, batch);
-    const feeds = { x: inputs.xGraph, y: inputs.yInt };
-    try {
-      const g = ct.runtime.gradients(m, feeds, { training: true });
-      tf.dispose([g.loss, ...Object.values(g.grads)]);
-      const profile = await tf.profile(() => {
-        const r = ct.runtime.gradients(m, feeds, { training: true });
-        tf.dispose(Object.values(r.grads));
-        return r.loss;
-      });
-      const byKernel = {};
-      for (const k of profile.kernels) {
-        const t = typeof k.kernelTimeMs === "number" ? k.kernelTimeMs : 0;
-        byKernel[k.name] = (byKernel[k.name] || 0) + t;
-      }
-      return { kernels: profile.kernels.length, byKernel };
-    } finally {
-      m.dispose();
-      tf.dispose(Object.values(inputs));
-    }
-  }
-
-  ns.bench = { run, profileOps, useBackend };
+  ns.bench = { run, useBackend };
 })(self);

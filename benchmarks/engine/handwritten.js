@@ -1,7 +1,7 @@
 // Hand-written TF.js versions of the mlp, cnn and resnet18 presets: what a TF.js developer would write
-// for the same architecture (NHWC layout, [in, out] dense kernels, tf.fused matMul/conv2d as tf.layers
-// uses them, tf.batchNorm), loaded with the preset's own weights converted once. This is the yardstick
-// the graph interpreter is measured against, so it must stay an honest, idiomatic implementation.
+// for the same architecture (NHWC layout, [in, out] dense kernels, tf.batchNorm), loaded with the
+// preset's own weights converted once. This is the yardstick the graph interpreter is measured
+// against, so it must stay an honest implementation.
 // Classic script: attaches to self.handwritten; needs the global `tf`.
 (function (ns) {
   "use strict";
@@ -13,14 +13,20 @@
     return tf.tensor(w.data, w.shape, "float32");
   }
 
+  // f(t), disposing t (the torch-layout original).
+  function converted(t, f) {
+    const out = tf.tidy(() => f(t));
+    t.dispose();
+    return out;
+  }
+
   // torch [out, in] -> dense kernel [in, out]; OIHW -> HWIO.
-  const denseKernel = (t) => tf.transpose(t);
-  const convKernel = (t) => tf.transpose(t, [2, 3, 1, 0]);
+  const denseKernel = (t) => converted(t, (w) => tf.transpose(w));
+  const convKernel = (t) => converted(t, (w) => tf.transpose(w, [2, 3, 1, 0]));
 
   // A torch Linear that follows a torch.flatten of [C, H, W]: reorder its input rows to NHWC's (H, W, C).
-  function flattenedKernel(t, [c, h, w]) {
-    return tf.tidy(() => tf.transpose(t.reshape([t.shape[0], c, h, w]), [2, 3, 1, 0]).reshape([h * w * c, -1]));
-  }
+  const flattenedKernel = (t, [c, h, w]) => converted(t, (k) =>
+    tf.transpose(k.reshape([k.shape[0], c, h, w]), [2, 3, 1, 0]).reshape([h * w * c, -1]));
 
   // Converted tensors -> tf.Variables (trainable or not), keyed by the torch name.
   function variables(specs, trainable) {
@@ -33,12 +39,19 @@
   }
 
   // ---- layers -------------------------------------------------------------------------------------
-  const dense = (x, p, name, activation = "linear") =>
-    tf.fused.matMul({ a: x, b: p[`${name}.weight`], bias: p[`${name}.bias`], activation });
+  // Plain ops rather than tf.fused.matMul/conv2d (which tf.layers uses): under gradients the fused
+  // ops fall back or run slower in tfjs 4.22 (measured on webgl and cpu), and the yardstick should be
+  // the fastest honest implementation.
+  function dense(x, p, name, activation = "linear") {
+    const y = tf.add(tf.matMul(x, p[`${name}.weight`]), p[`${name}.bias`]);
+    return activation === "relu" ? tf.relu(y) : y;
+  }
 
   function conv(x, p, name, stride, pad, activation = "linear") {
     const bias = p[`${name}.bias`]; // undefined for bias-free convs
-    return tf.fused.conv2d({ x, filter: p[`${name}.weight`], strides: stride, pad, bias, activation });
+    let y = tf.conv2d(x, p[`${name}.weight`], stride, pad);
+    if (bias) y = tf.add(y, bias);
+    return activation === "relu" ? tf.relu(y) : y;
   }
 
   // Training-mode batch norm over N, H, W; running stats as torch keeps them (unbiased variance).

@@ -85,3 +85,24 @@ def float64_gradients(g: Graph, weights: Tensors, batch: Tensors) -> Tensors:
         module.train()
         module.loss(module({**targets, **inputs}), targets).backward()
     return {k: v.float() for k, v in module.grads().items()}
+
+
+def float64_local_steps(g: Graph, weights: Tensors, batch: Tensors, batch_size: int, lr: float,
+                        momentum: float) -> Tensors:
+    """engine.runtime.local_steps in float64: the exact deltas, to judge float32 PyTorch and TF.js by."""
+    from engine.runtime import GraphModule, _slice
+
+    inputs, targets = split_batch(g, batch)
+    n = len(next(iter(inputs.values())))
+    with _float64_inputs():
+        module = GraphModule(g).double()
+        module.load_state({k: v.double() for k, v in weights.items()})
+        module.train()
+        optimizer = torch.optim.SGD(module.parameters(), lr=lr, momentum=momentum)
+        for start in range(0, n, batch_size):
+            x, y = _slice(inputs, start, start + batch_size), _slice(targets, start, start + batch_size)
+            optimizer.zero_grad()
+            module.loss(module({**y, **x}), y).backward()
+            optimizer.step()
+    state = module.state()
+    return {p["name"]: weights[p["name"]].double() - state[p["name"]] for p in g["params"]}

@@ -1,6 +1,6 @@
 """The Contribute page (real template markup + contribute.js + worker.js) against a scripted fake
-volunteer server that speaks docs/protocol.md: hello, assign, result + binary frame, ack, cancel,
-idle, bye."""
+volunteer server that speaks docs/protocol.md: hello, assign, prefetching `ready`, result + binary frame,
+ack (pending), credit (the verdict), cancel of a prefetched unit, idle, bye."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ import pytest
 pytestmark = [pytest.mark.browser, pytest.mark.slow]
 codecs = pytest.importorskip("engine.codecs")
 presets = pytest.importorskip("engine.presets")
+runtime = pytest.importorskip("engine.runtime")
 ws_server = pytest.importorskip("websockets.sync.server")
 
 TEMPLATE = Path(__file__).resolve().parents[2] / "frontend" / "templates" / "frontend" / "contribute.html"
@@ -39,10 +40,19 @@ def page_from_template(socket_url: str) -> str:
 
 
 class FakeServer:
-    """Assigns work unit 1, then work unit 2 and cancels it at once, then says idle."""
+    """Assigns unit 1; the prefetching `ready` gets unit 2, cancelled at once; the next gets unit 3; then
+    idle. Acks are `pending`; the verdict follows as `credit`: unit 1 valid, unit 3 invalid. Refuses a
+    `ready` with 2 units in flight (`busy`), like workers/consumers.py, and records that it had to."""
+
+    MAX_IN_FLIGHT = 2
 
     def __init__(self, assign: dict[str, Any]) -> None:
-        self.assign, self.frames, self.assigned = assign, [], 0
+        self.assign, self.assigned = assign, 0
+        self.frames: list[tuple[str, Any]] = []
+        self.in_flight: set[int] = set()
+        self.reference: dict[str, Any] = {}  # what an honest volunteer sends (set by the fixture)
+        self.busy = 0
+        self.result_for: int | None = None  # the unit whose binary frame comes next
         self.server = ws_server.serve(self.handle, "127.0.0.1", 0)
         self.url = f"ws://127.0.0.1:{self.server.socket.getsockname()[1]}/ws/volunteer/"
 
@@ -50,8 +60,7 @@ class FakeServer:
         for frame in ws:
             if isinstance(frame, bytes):
                 self.frames.append(("binary", frame))
-                ws.send(json.dumps({"type": "ack", "work_unit": 1, "accepted": True, "credit_flops": CREDIT,
-                                    "total_credit_flops": 1000 + CREDIT}))
+                self.on_tensors(ws)
                 continue
             msg = json.loads(frame)
             self.frames.append(("json", msg))
@@ -60,35 +69,67 @@ class FakeServer:
                                     "volunteer": {"username": "alice", "credit_flops": 1000}}))
             elif msg["type"] == "ready":
                 self.on_ready(ws)
+            elif msg["type"] == "result":
+                self.result_for = msg["work_unit"]
 
     def on_ready(self, ws: Any) -> None:
+        if len(self.in_flight) >= self.MAX_IN_FLIGHT:
+            self.busy += 1
+            ws.send(json.dumps({"type": "error", "code": "busy", "message": "at most 2 at a time"}))
+            return
         self.assigned += 1
-        if self.assigned > 2:
+        if self.assigned > 3:
             ws.send(json.dumps({"type": "idle"}))
             return
-        ws.send(json.dumps({"type": "assign", "work_unit": {**self.assign, "id": self.assigned}}))
-        if self.assigned == 2:
-            ws.send(json.dumps({"type": "cancel", "work_units": [2], "reason": "round closed"}))
+        unit = self.assigned
+        self.in_flight.add(unit)
+        ws.send(json.dumps({"type": "assign", "work_unit": {**self.assign, "id": unit}}))
+        if unit == 2:  # the prefetched unit is dropped before the worker gets to it
+            self.in_flight.discard(unit)
+            ws.send(json.dumps({"type": "cancel", "work_units": [unit], "reason": "round closed"}))
+
+    def on_tensors(self, ws: Any) -> None:
+        unit, self.result_for = self.result_for, None
+        self.in_flight.discard(unit)
+        ws.send(json.dumps({"type": "ack", "work_unit": unit, "accepted": True, "status": "pending",
+                            "reason": "", "credit_flops": 0, "total_credit_flops": 1000}))
+        valid = unit == 1
+        ws.send(json.dumps({"type": "credit", "work_unit": unit, "status": "valid" if valid else "invalid",
+                            "reason": "" if valid else "differs from the server's recomputation by 80%",
+                            "credit_flops": CREDIT if valid else 0, "total_credit_flops": 1000 + CREDIT}))
 
     def json_types(self) -> list[str]:
         return [m["type"] if kind == "json" else "<binary>" for kind, m in self.frames]
+
+    def results(self) -> list[tuple[dict[str, Any], bytes]]:
+        """(result message, the binary frame right after it) pairs, in order."""
+        return [(m, self.frames[i + 1][1]) for i, (kind, m) in enumerate(self.frames)
+                if kind == "json" and m["type"] == "result"]
 
 
 @pytest.fixture
 def fake_server(static_server: Any) -> Iterator[FakeServer]:
     g, weights = presets.export_preset("mlp", seed=0)
     torch = pytest.importorskip("torch")
-    shard = codecs.encode({"x": torch.rand(40, 784), "y": torch.randint(0, 10, (40,), dtype=torch.int32)})
+    x, y = torch.rand(40, 784), torch.randint(0, 10, (40,), dtype=torch.int32)
     put = lambda data: static_server.put_blob(hashlib.sha256(data).hexdigest(), data)  # noqa: E731
-    assign = {"project": {"id": 4, "name": "Digits MLP"}, "model_version": 1, "task": "gradient",
+    assign = {"project": {"id": 4, "name": "Digits MLP"}, "model_version": 1, "task": "local_steps",
+              "local": {"optimizer": "sgd", "lr": 0.05, "momentum": 0.9},
               "graph_url": put(json.dumps(g).encode()), "weights_url": put(codecs.encode(weights)),
-              "shards": [{"url": put(shard), "offset": 0, "count": 40}], "batch_size": 16,
-              "deadline": "2030-01-01T00:00:00Z", "codec": "fp16"}
+              "shards": [{"url": put(codecs.encode({"x": x, "y": y})), "offset": 0, "count": 40}],
+              "batch_size": 16, "deadline": "2030-01-01T00:00:00Z", "codec": "int8"}
     server = FakeServer(assign)
+    server.reference = runtime.local_steps(g, weights, {"x": x}, {"y": y}, batch_size=16, lr=0.05,
+                                           momentum=0.9).delta
     thread = threading.Thread(target=server.server.serve_forever, daemon=True)
     thread.start()
     yield server
     server.server.shutdown()
+
+
+def rel_l2(got: dict[str, Any], want: dict[str, Any]) -> float:
+    diff = sum(float(((got[k] - want[k]) ** 2).sum()) for k in want)
+    return (diff / sum(float((want[k] ** 2).sum()) for k in want)) ** 0.5
 
 
 def test_contribute_page_runs_the_protocol(browser: Any, static_server: Any, fake_server: FakeServer) -> None:
@@ -101,17 +142,22 @@ def test_contribute_page_runs_the_protocol(browser: Any, static_server: Any, fak
     assert page.is_disabled("#stop")
     started = time.monotonic()
     page.click("#contribute")
-    page.wait_for_function("() => document.getElementById('work-units-done').textContent === '1'",
+    page.wait_for_function("() => document.getElementById('work-units-done').textContent === '2'",
                            timeout=120_000)
+    page.wait_for_function("() => /invalid/.test(document.getElementById('log').textContent)")
     page.wait_for_function("() => /Waiting for work/.test(document.getElementById('status').textContent)")
     elapsed = time.monotonic() - started
 
-    assert page.get_attribute("#credit", "data-flops") == str(1000 + CREDIT)
+    assert page.get_attribute("#credit", "data-flops") == str(1000 + CREDIT)  # from the `credit` verdict
     assert page.text_content("#credit") == "123 MFLOP"
+    log = page.text_content("#log")
+    assert "work unit 1 validated: +123 MFLOP" in log and "work unit 3 invalid: differs" in log
     assert page.text_content("#backend").startswith("webgl")
     assert page.text_content("#project") == "Digits MLP"
     assert float(page.text_content("#samples-per-second")) > 0
-    time.sleep(2)  # let the worker finish cancelled unit 2, whose result must be dropped
+    share = re.fullmatch(r"(\d+) %", page.text_content("#compute-share"))
+    assert share and 0 < int(share.group(1)) <= 100, page.text_content("#compute-share")
+    time.sleep(1)
     page.click("#stop")
     page.wait_for_function("() => !document.getElementById('contribute').disabled")
     deadline = time.monotonic() + 5
@@ -122,14 +168,17 @@ def test_contribute_page_runs_the_protocol(browser: Any, static_server: Any, fak
     types = fake_server.json_types()
     hello = fake_server.frames[0][1]
     assert hello["protocol"] == 1 and hello["device"]["backend"] == "webgl" and hello["device"]["gflops"] > 0
-    assert types[:2] == ["hello", "ready"]
-    assert types.count("result") == 1 and types[types.index("result") + 1] == "<binary>"
-    result = next(m for kind, m in fake_server.frames if kind == "json" and m["type"] == "result")
-    assert result["work_unit"] == 1 and result["samples"] == 40 and result["model_version"] == 1
-    binary = next(m for kind, m in fake_server.frames if kind == "binary")
-    grads, meta = codecs.decode(binary)
-    assert meta["codec"] == "fp16" and set(grads) == {p["name"] for p in json.loads(
-        json.dumps(presets.export_preset("mlp")[0]))["params"]}
-    assert types.count("ready") == 3 and types[-1] == "bye"  # after result, after cancel; then bye
+    assert types[:3] == ["hello", "ready", "ready"]  # the second one prefetches while unit 1 computes
+    assert fake_server.busy == 0  # never more than 2 units in flight
+    results = fake_server.results()
+    assert [m["work_unit"] for m, _ in results] == [1, 3]  # cancelled prefetched unit 2: no result
+    params = {p["name"] for p in presets.export_preset("mlp")[0]["params"]}
+    for msg, binary in results:
+        assert msg["samples"] == 40 and msg["model_version"] == 1
+        update, meta = codecs.decode(binary)
+        assert meta["codec"] == "int8" and set(update) == params
+        assert rel_l2(update, fake_server.reference) <= 0.25  # projects/validation.py TOLERANCE["int8"]
+    assert types.index("result") > 2  # ...so unit 2 was assigned before unit 1 finished
+    assert types.count("ready") == 4 and types[-1] == "bye"  # 1, prefetch, after cancel, after result 1
     assert not errors, errors
-    print(f"contribute flow: {elapsed:.1f} s from click to first ack")
+    print(f"contribute flow: {elapsed:.1f} s from click to both verdicts")

@@ -84,16 +84,21 @@ def test_optimizer_matches_torch(harness: Any, backend: str, name: str) -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_tensor_count_flat_over_200_steps(harness: Any, backend: str) -> None:
-    """Gradients + batch-norm updates + Adam for 200 steps: no tensor may leak per step."""
+    """Gradients + batch-norm updates + Adam for 200 steps: no tensor may leak per step, and the bytes
+    held on the device (GPU textures on webgl, all tensor bytes on cpu) must stay flat too."""
     g = graphs.cnn()
     use(harness, backend)
     before = harness.evaluate("() => tf.memory().numTensors")
+    has_gpu = harness.evaluate("() => typeof tf.memory().numBytesInGPU === 'number'")
     r = harness.evaluate("([g, w, b]) => harness.trainSteps(g, w, b, 200, 'Adam', {lr: 1e-3})",
                          [json.dumps(g), b64(graphs.init_weights(g, 31)), b64(graphs.batch_for(g, 4, 32))])
     after = harness.evaluate("() => tf.memory().numTensors")
-    counts = r["counts"]
+    counts, device_bytes = r["counts"], r["deviceBytes"]
     record("memory", {"backend": backend, "first": counts[0], "last": counts[-1], "before": before,
-                      "after": after, "loss_first": r["losses"][0], "loss_last": r["losses"][-1]})
+                      "after": after, "loss_first": r["losses"][0], "loss_last": r["losses"][-1],
+                      "device_bytes_first": device_bytes[0], "device_bytes_last": device_bytes[-1]})
+    assert has_gpu == (backend == "webgl")  # so webgl really is measured in GPU bytes
     assert len(set(counts)) == 1, counts  # Adam state exists from step 1, so flat from the start
+    assert len(set(device_bytes)) == 1, sorted(set(device_bytes))  # no texture/buffer grows either
     assert after == before  # model and optimizer disposed completely
     assert r["losses"][-1] < r["losses"][0]  # and it really trained

@@ -96,3 +96,57 @@ def test_wasm_falls_back_to_cpu_for_missing_gradient_kernels(harness: Any, stati
     want = runtime.compute_gradients(g, weights, {"x": batch["x"]}, {"y": batch["y"]})
     grads, _ = codecs.decode(base64.b64decode(result["bytes"]))
     assert max(max_errors(grads, want.grads).values()) <= 1e-4
+
+
+def rel_l2(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> float:
+    """The spot check's distance (projects/validation.py): relative L2 over all params together."""
+    diff = sum(float(((got[k].double() - want[k].double()) ** 2).sum()) for k in want)
+    return (diff / sum(float((want[k].double() ** 2).sum()) for k in want)) ** 0.5
+
+
+@pytest.fixture(scope="module")
+def local_work(work: dict[str, Any], static_server: Any) -> dict[str, Any]:
+    """The same 32-sample slice as `work`, as task local_steps (averaging mode)."""
+    g, weights = presets.export_preset("mlp", seed=0)
+    x, y = digits(5)
+    shard = put(static_server, codecs.encode({"x": x, "y": y}))
+    lr, momentum = 0.05, 0.9
+    base = {**work["base"], "task": "local_steps", "codec": "int8",
+            "local": {"optimizer": "sgd", "lr": lr, "momentum": momentum},
+            "shards": [{"url": shard, "offset": 5, "count": 32}]}
+    want = runtime.local_steps(g, weights, {"x": x[5:37]}, {"y": y[5:37]}, batch_size=8, lr=lr,
+                               momentum=momentum)
+    return {"base": base, "want": want}
+
+
+@pytest.mark.parametrize("backend", ["webgl", "cpu"])
+def test_worker_local_steps_with_error_feedback(harness: Any, local_work: dict[str, Any],
+                                                backend: str) -> None:
+    """int8 local_steps updates pass the server's spot check, and the residual carries over per project
+    (also across model versions): the sum of what was sent tracks the sum of the true deltas."""
+    from projects.validation import TOLERANCE
+
+    base, want = local_work["base"], local_work["want"]
+    project_a, project_b = {"id": 7, "name": "A"}, {"id": 8, "name": "B"}
+    assigns = [{**base, "id": 31 + i, "project": project_a, "model_version": 3 + 2 * i} for i in range(4)]
+    assigns += [{**base, "id": 35, "project": project_b},  # its own, empty residual
+                {**base, "id": 36, "project": project_a, "codec": "fp32"}]  # exact: the model was left intact
+    ready, *results = harness.evaluate("([b, a]) => harness.workerCompute(b, a)", [[backend], assigns])
+    assert ready["backend"] == backend
+    assert [r.get("type") for r in results] == ["result"] * 6, results
+    decoded = [codecs.decode(base64.b64decode(r["bytes"])) for r in results]
+    updates = [u for u, _ in decoded]
+    assert [meta["codec"] for _, meta in decoded] == ["int8"] * 5 + ["fp32"]
+    assert all(r["samples"] == 32 and abs(r["loss"] - want.loss) <= 1e-4 * want.loss for r in results)
+
+    distances = [rel_l2(u, want.delta) for u in updates]
+    sent = {k: sum(u[k] for u in updates[:4]) for k in want.delta}
+    feedback_error = rel_l2(sent, {k: 4 * v for k, v in want.delta.items()})
+    plain = codecs.decode(codecs.encode(want.delta, "int8"))[0]
+    plain_error = rel_l2({k: 4 * v for k, v in plain.items()}, {k: 4 * v for k, v in want.delta.items()})
+    record("worker_local_steps", {"backend": backend, "int8_distances": distances[:5], "fp32": distances[5],
+                                  "sum_of_4_with_feedback": feedback_error, "sum_of_4_plain": plain_error})
+    assert max(distances[:5]) <= TOLERANCE["int8"] and distances[5] <= 1e-4, distances
+    # Quantisation error did not pile up over the 4 units (the residual was carried forward).
+    assert feedback_error < 0.5 * plain_error, (feedback_error, plain_error)
+    assert all(torch.equal(updates[4][k], updates[0][k]) for k in want.delta)  # project B: fresh residual

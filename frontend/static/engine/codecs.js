@@ -221,5 +221,42 @@
     return out;
   }
 
-  ns.codecs = { parse, serialize, encode, decode, toHalf, halfToFloat, quantizeInt8, DEFAULT_BLOCK };
+  // ---- error feedback -------------------------------------------------------------------------
+  // Mirrors engine.codecs.ErrorFeedback: what quantisation drops from one update is added to the next,
+  // so the sum of what is sent tracks the sum of the true updates (the residual stays bounded by half a
+  // quantisation step instead of biasing training). Arithmetic is float32 throughout, like torch's.
+  class ErrorFeedback {
+    constructor(codec = "int8", options = {}) {
+      this.codec = codec;
+      this.options = options; // {blockSize}
+      this.residual = {}; // name -> Float32Array
+    }
+
+    // update: {name: {shape, data}} or [{name, shape, data}] -> safetensors bytes in this.codec.
+    compress(update) {
+      const corrected = tensorList(update).map((t) =>
+        ({ name: t.name, shape: t.shape, data: plus(t.data, this.residual[t.name]) }));
+      const bytes = encode(corrected, this.codec, this.options);
+      const sent = decode(bytes);
+      // Like the Python twin, only names in this update keep a residual.
+      this.residual = {};
+      for (const t of corrected) this.residual[t.name] = minus(t.data, sent[t.name].data);
+      return bytes;
+    }
+  }
+
+  function plus(data, residual) {
+    const out = Float32Array.from(data);
+    if (residual && residual.length !== out.length) throw new Error("error feedback: tensor changed size");
+    if (residual) for (let i = 0; i < out.length; i++) out[i] += residual[i];
+    return out;
+  }
+
+  function minus(a, b) {
+    const out = new Float32Array(a.length);
+    for (let i = 0; i < out.length; i++) out[i] = a[i] - b[i];
+    return out;
+  }
+
+  ns.codecs = { parse, serialize, encode, decode, toHalf, halfToFloat, quantizeInt8, ErrorFeedback, DEFAULT_BLOCK };
 })((self.crowdtrain = self.crowdtrain || {}));

@@ -1,5 +1,6 @@
 // Interpreter of crowdtrain.graph (docs/graph-format.md) over TensorFlow.js.
-// Every tensor keeps PyTorch's layout (NCHW); TF.js convs are NHWC, so conv transposes around the kernel.
+// Values have PyTorch's layout (NCHW); TF.js convs are NHWC, so conv outputs stay NHWC through
+// layout-agnostic ops and are transposed back only where needed (see "channels-last execution").
 // Classic script: attaches to self.crowdtrain.runtime; needs the global `tf`.
 (function (ns) {
   "use strict";
@@ -18,7 +19,6 @@
 
   const toNHWC = (x) => tf.transpose(x, [0, 2, 3, 1]);
   const toNCHW = (x) => tf.transpose(x, [0, 3, 1, 2]);
-  const channelShape = (x) => x.shape.map((s, i) => (i === 1 ? s : 1));
 
   // ---- convolution and pooling ------------------------------------------------------------------
   // TF.js has no gradient for dilated conv2d, so dilate the kernel itself (zeros between taps);
@@ -40,38 +40,47 @@
 
   // TF.js conv2d has no `groups`: run one convolution per group.
   function groupedConv(xh, f, groups, strides, pad) {
+    if (groups === 1) return tf.conv2d(xh, f, strides, pad);
     const xs = tf.split(xh, groups, 3);
     const fs = tf.split(f, groups, 3);
     return tf.concat(xs.map((x, i) => tf.conv2d(x, fs[i], strides, pad)), 3);
   }
 
   // Zero padding goes to the conv kernel itself (explicit padding): a separate tf.pad would cost a
-  // copy forward and a slice backward. The bias is added in NHWC by the fused kernel, where it is a
-  // last-axis add, instead of a [1, C, 1, 1] broadcast after the transpose back.
-  function conv2d([x, w, b], a) {
+  // copy forward and a slice backward. The bias is added while NHWC, where it is a plain last-axis
+  // add. (tf.fused.conv2d would fold the bias in, but is slower under gradients in tfjs 4.22.)
+  // x is NHWC, w is the graph's OIHW; returns NHWC.
+  function convNHWC([x, w, b], a) {
     const [ph, pw] = pair(a.padding, 0);
     const [dh, dw] = pair(a.dilation, 1);
     const groups = attr(a, "groups", 1), strides = pair(a.stride, 1);
     const pad = [[0, 0], [ph, ph], [pw, pw], [0, 0]];
-    const xh = toNHWC(x);
     const f = dilateKernel(tf.transpose(w, [2, 3, 1, 0]), dh, dw); // OIHW -> HWIO
-    if (groups === 1) return toNCHW(tf.fused.conv2d({ x: xh, filter: f, strides, pad, bias: b || undefined }));
-    const y = toNCHW(groupedConv(xh, f, groups, strides, pad));
-    return b ? tf.add(y, b.reshape([1, -1, 1, 1])) : y;
+    const y = groupedConv(x, f, groups, strides, pad);
+    return b ? tf.add(y, b) : y;
+  }
+
+  const conv2d = ([x, w, b], a) => toNCHW(convNHWC([toNHWC(x), w, b], a));
+
+  // x is NHWC.
+  function poolNHWC(kind) {
+    return ([x], a) => {
+      const k = pair(a.kernel_size);
+      const s = pair(a.stride, k); // torch: stride defaults to kernel_size
+      const [ph, pw] = pair(a.padding, 0);
+      // avg: torch counts the zero padding (count_include_pad=True); max: padding never wins.
+      if (ph || pw) x = tf.pad(x, [[0, 0], [ph, ph], [pw, pw], [0, 0]], kind === "max" ? FLOAT32_LOWEST : 0);
+      return kind === "max" ? tf.maxPool(x, k, s, "valid") : tf.avgPool(x, k, s, "valid");
+    };
   }
 
   // Pooling windows never mix channels, so NCHW [N, C, H, W] is pooled as NHWC [N*C, H, W, 1]: a
   // free reshape instead of a transpose on each side (forward and backward).
   function pool2d(kind) {
+    const pool = poolNHWC(kind);
     return ([x], a) => {
-      const k = pair(a.kernel_size);
-      const s = pair(a.stride, k); // torch: stride defaults to kernel_size
-      const [ph, pw] = pair(a.padding, 0);
       const [n, c, h, w] = x.shape;
-      let xh = x.reshape([n * c, h, w, 1]);
-      // avg: torch counts the zero padding (count_include_pad=True); max: padding never wins.
-      if (ph || pw) xh = tf.pad(xh, [[0, 0], [ph, ph], [pw, pw], [0, 0]], kind === "max" ? FLOAT32_LOWEST : 0);
-      const y = kind === "max" ? tf.maxPool(xh, k, s, "valid") : tf.avgPool(xh, k, s, "valid");
+      const y = pool([x.reshape([n * c, h, w, 1])], a);
       return y.reshape([n, c, y.shape[1], y.shape[2]]);
     };
   }
@@ -98,15 +107,16 @@
   }
 
   // ---- normalization ------------------------------------------------------------------------------
-  function batchNorm([x, w, b, runMean, runVar], a, ctx) {
+  // Channels on axis `channel`: 1 in the graph's layout, 3 for NHWC.
+  function batchNormAt([x, w, b, runMean, runVar], a, ctx, channel) {
     const eps = attr(a, "eps", 1e-5), momentum = attr(a, "momentum", 0.1);
-    const axes = x.shape.map((_, i) => i).filter((i) => i !== 1);
-    const shape = channelShape(x);
+    const axes = x.shape.map((_, i) => i).filter((i) => i !== channel);
+    const shape = x.shape.map((d, i) => (i === channel ? d : 1));
     let mean = runMean, variance = runVar;
     if (ctx.training || !runMean) {
       ({ mean, variance } = tf.moments(x, axes));
       if (ctx.training && runMean) {
-        const n = x.size / x.shape[1];
+        const n = x.size / x.shape[channel];
         // torch stores the unbiased batch variance in running_var, but normalizes with the biased one.
         ctx.update(ctx.node.inputs[3], tf.add(tf.mul(runMean, 1 - momentum), tf.mul(mean, momentum)));
         ctx.update(ctx.node.inputs[4],
@@ -121,6 +131,8 @@
     const shift = b ? tf.sub(b, tf.mul(mean, scale)) : tf.neg(tf.mul(mean, scale));
     return tf.add(tf.mul(x, scale.reshape(shape)), shift.reshape(shape));
   }
+
+  const batchNorm = (args, a, ctx) => batchNormAt(args, a, ctx, 1);
 
   function layerNorm([x, w, b], a) {
     const count = attr(a, "normalized_shape", [x.shape[x.rank - 1]]).length;
@@ -179,16 +191,6 @@
     return target.every((d, i) => d === t.shape[i]) && t.rank === target.length ? t : tf.broadcastTo(t, target);
   }
 
-  // The fused kernel adds the bias within the matmul's own pass. Not on wasm: its fused matmul adds
-  // the bias wrongly when transposeB is set (tfjs 4.22), and there a separate add costs little anyway.
-  function linear([x, w, b]) {
-    const a = x.reshape([-1, w.shape[1]]);
-    let y;
-    if (b && tf.getBackend() !== "wasm") y = tf.fused.matMul({ a, b: w, transposeB: true, bias: b });
-    else y = b ? tf.add(tf.matMul(a, w, false, true), b) : tf.matMul(a, w, false, true);
-    return y.reshape([...x.shape.slice(0, -1), w.shape[0]]);
-  }
-
   // ---- activations, attention ----------------------------------------------------------------------
   function logSoftmax(x, dim) {
     return tf.sub(x, tf.logSumExp(x, axis(dim, x.rank), true));
@@ -232,7 +234,11 @@
 
   // ---- op table -----------------------------------------------------------------------------------
   const OPS = {
-    linear,
+    linear: ([x, w, b]) => { // plain matMul + add: tf.fused.matMul is slower under gradients (tfjs 4.22)
+      let y = tf.matMul(x.reshape([-1, w.shape[1]]), w, false, true);
+      if (b) y = tf.add(y, b);
+      return y.reshape([...x.shape.slice(0, -1), w.shape[0]]);
+    },
     conv2d,
     batch_norm: batchNorm,
     layer_norm: layerNorm,
@@ -266,10 +272,9 @@
   // Class dim is last: logits [N,C] with targets [N], or [N,T,C] with [N,T]; mean over all positions.
   function crossEntropy([logits, target]) {
     const c = logits.shape[logits.rank - 1];
-    // tf.losses' version has a custom gradient (softmax - onehot): fewer kernels than autodiff of
-    // log_softmax, same value.
-    const onehot = tf.oneHot(target.reshape([-1]).toInt(), c);
-    return tf.losses.softmaxCrossEntropy(onehot, logits.reshape([-1, c]), undefined, 0, tf.Reduction.MEAN);
+    const logp = logSoftmax(logits.reshape([-1, c]), 1);
+    const picked = tf.sum(tf.mul(logp, tf.oneHot(target.reshape([-1]).toInt(), c)), 1);
+    return tf.neg(tf.mean(picked));
   }
 
   const LOSSES = {
@@ -319,21 +324,60 @@
     };
   }
 
-  // ---- execution -------------------------------------------------------------------------------------
+  // ---- channels-last execution ----------------------------------------------------------------------
+  // TF.js convolutions and pools are NHWC. Instead of transposing around every conv, a value a conv
+  // makes stays NHWC while it flows through ops that do not care about layout (below); it is transposed
+  // to the graph's NCHW only when an op needs that, once however many nodes read it. Semantics are the
+  // graph's exactly: only where the data sits in memory changes.
+  const UNARY = new Set(["relu", "tanh", "sigmoid", "gelu", "dropout", "scale"]);
+  const BINARY = new Set(["add", "sub", "mul", "div"]);
+  const NHWC_POOLS = { max_pool2d: poolNHWC("max"), avg_pool2d: poolNHWC("avg") };
+  const isGlobalPool = (a) => { const [h, w] = pair(a.output_size); return h === 1 && w === 1; };
+
+  // The NHWC implementation of `node` given which values have an NHWC form (`nhwc`), else null.
+  // Which inputs it reads NHWC: the first, and for binary ops both (same shapes: no broadcasting).
+  function nhwcKernel(node, nhwc) {
+    const [first, second] = node.inputs;
+    if (node.op === "conv2d") return convNHWC; // converts its input if need be: it has to anyway
+    if (first === null || !nhwc.has(first)) return null;
+    if (UNARY.has(node.op)) return OPS[node.op];
+    if (node.op === "batch_norm") return (args, a, ctx) => batchNormAt(args, a, ctx, 3);
+    if (NHWC_POOLS[node.op]) return NHWC_POOLS[node.op];
+    if (node.op === "adaptive_avg_pool2d" && isGlobalPool(node.attrs || {})) return ([x]) => tf.mean(x, [1, 2], true);
+    const sameShape = (p, q) => p.shape.every((d, i) => d === q.shape[i]);
+    if (BINARY.has(node.op) && nhwc.has(second) && sameShape(nhwc.get(first), nhwc.get(second))) return OPS[node.op];
+    return null;
+  }
+
+  // NHWC -> NCHW; a [N, 1, 1, C] tensor (global pooling) is already in NCHW order.
+  const fromNHWC = (t) => (t.shape[1] === 1 && t.shape[2] === 1 ? t.reshape([t.shape[0], t.shape[3], 1, 1]) : toNCHW(t));
+
   // feeds: {name: tf.Tensor} for graph inputs and (optionally) targets. Returns {output, loss, updates}
   // where updates are new buffer values the caller applies (see applyUpdates) once gradients are done.
   function run(model, feeds, training) {
     const env = new Map([...Object.entries(model.params), ...Object.entries(model.buffers), ...Object.entries(feeds)]);
+    const nhwc = new Map(); // name -> the same value, channels last
+    const get = (name) => {
+      if (!env.has(name) && nhwc.has(name)) env.set(name, fromNHWC(nhwc.get(name)));
+      return env.get(name);
+    };
+    const getNHWC = (name) => {
+      if (!nhwc.has(name)) nhwc.set(name, toNHWC(get(name)));
+      return nhwc.get(name);
+    };
     const updates = [];
     for (const node of model.graph.nodes) {
-      const args = node.inputs.map((name) => (name === null ? null : env.get(name)));
       const ctx = { training, node, update: (name, value) => updates.push([name, value]) };
-      env.set(node.name, OPS[node.op](args, node.attrs || {}, ctx));
+      const kernel = nhwcKernel(node, nhwc);
+      const channelsLast = (i) => kernel && (i === 0 || BINARY.has(node.op));
+      const args = node.inputs.map((name, i) => (name === null ? null : channelsLast(i) ? getNHWC(name) : get(name)));
+      if (kernel) nhwc.set(node.name, kernel(args, node.attrs || {}, ctx));
+      else env.set(node.name, OPS[node.op](args, node.attrs || {}, ctx));
     }
     const lossSpec = model.graph.loss;
-    const haveTargets = lossSpec && lossSpec.inputs.every((name) => env.has(name));
-    const loss = haveTargets ? LOSSES[lossSpec.op](lossSpec.inputs.map((n) => env.get(n)), lossSpec.attrs || {}) : null;
-    return { output: env.get(model.graph.output), loss, updates };
+    const haveTargets = lossSpec && lossSpec.inputs.every((name) => env.has(name) || nhwc.has(name));
+    const loss = haveTargets ? LOSSES[lossSpec.op](lossSpec.inputs.map(get), lossSpec.attrs || {}) : null;
+    return { output: get(model.graph.output), loss, updates };
   }
 
   function applyUpdates(model, updates) {

@@ -1,5 +1,7 @@
 // The Contribute page: runs worker.js and speaks docs/protocol.md over /ws/volunteer/.
-// One work unit at a time: `ready` is sent only when the worker is idle.
+// Prefetch: while the worker computes one work unit, a second `ready` asks for the next, so it (and its
+// blobs, which the worker starts downloading at once) is waiting when the first finishes. The protocol
+// allows at most MAX_IN_FLIGHT work units per connection.
 (function () {
   "use strict";
 
@@ -11,6 +13,8 @@
   const SOCKET_URL = app.dataset.socketUrl; // optional absolute ws(s):// URL (separate WebSocket host)
   const BACKOFF_MS = [1000, 2000, 5000, 10000, 30000];
   const LOG_LINES = 60;
+  const MAX_IN_FLIGHT = 2;
+  const SHARE_REFRESH_MS = 5000;
   const FLOP_UNITS = ["FLOP", "kFLOP", "MFLOP", "GFLOP", "TFLOP", "PFLOP", "EFLOP", "ZFLOP", "YFLOP"];
 
   let s = freshState();
@@ -18,10 +22,12 @@
   function freshState() {
     return {
       running: false, worker: null, socket: null, device: null, retries: 0, reconnectTimer: null,
-      current: null, // id of the work unit the worker is computing
+      inFlight: new Map(), // id -> work unit given to the worker, result not yet sent (oldest first)
+      asking: false, // a `ready` not yet answered by an assign (after `idle` the server still owes one)
       cancelled: new Set(), // ids whose late results must be dropped
-      outbox: null, // a finished result waiting for the socket to come back
+      outbox: [], // finished results waiting for the socket to come back
       done: 0, rate: 0,
+      engineSince: null, computeMs: 0, shareTimer: null, // for the share of time spent computing
     };
   }
 
@@ -75,14 +81,34 @@
     $("samples-per-second").textContent = s.rate >= 100 ? Math.round(s.rate).toString() : s.rate.toFixed(1);
   }
 
+  // Share of the time since the engine started that the device spent computing: with prefetch it should
+  // stay near 100 % while there is work (downloads overlap computing).
+  function showComputeShare() {
+    if (s.engineSince === null) return;
+    const elapsed = performance.now() - s.engineSince;
+    if (elapsed > 0) $("compute-share").textContent = `${Math.min(100, Math.round((100 * s.computeMs) / elapsed))} %`;
+  }
+
+  // Status line for the oldest unit in flight: the one the worker is computing.
+  function showWork() {
+    const wu = s.inFlight.values().next().value;
+    if (!wu) { setStatus("Waiting for work…", "waiting"); return; }
+    $("project").textContent = wu.project.name;
+    const samples = wu.shards.reduce((n, shard) => n + shard.count, 0);
+    const next = s.inFlight.size > 1 ? " (next one ready)" : "";
+    setStatus(`Training ${wu.project.name}: ${samples} samples…${next}`, "working");
+  }
+
   // ---- socket ------------------------------------------------------------------------------------
   function send(msg) {
     if (s.socket && s.socket.readyState === WebSocket.OPEN) { s.socket.send(JSON.stringify(msg)); return true; }
     return false;
   }
 
+  // One `ready` outstanding at a time, and never more than MAX_IN_FLIGHT units assigned.
   function askForWork() {
-    if (s.running && s.current === null && !s.outbox) send({ type: "ready" });
+    if (!s.running || s.asking || s.outbox.length || s.inFlight.size >= MAX_IN_FLIGHT) return;
+    if (send({ type: "ready" })) s.asking = true;
   }
 
   function connect() {
@@ -92,6 +118,7 @@
     s.socket = socket;
     socket.onopen = () => {
       s.retries = 0;
+      s.asking = false; // a new connection owes us nothing
       send({ type: "hello", protocol: 1, device: s.device });
       flushOutbox();
       askForWork();
@@ -115,12 +142,11 @@
 
   // The JSON frame and its binary frame must be adjacent, so both go out together or not at all.
   function flushOutbox() {
-    const msg = s.outbox;
-    if (!msg || !s.socket || s.socket.readyState !== WebSocket.OPEN) return;
-    const { bytes, type, ...fields } = msg;
-    send({ type: "result", ...fields });
-    s.socket.send(bytes);
-    s.outbox = null;
+    while (s.outbox.length && s.socket && s.socket.readyState === WebSocket.OPEN) {
+      const { bytes, type, ...fields } = s.outbox.shift();
+      send({ type: "result", ...fields });
+      s.socket.send(bytes);
+    }
   }
 
   const handlers = {
@@ -130,20 +156,22 @@
     },
     assign(msg) {
       const wu = msg.work_unit;
-      s.current = wu.id;
-      $("project").textContent = wu.project.name;
-      const samples = wu.shards.reduce((n, shard) => n + shard.count, 0);
-      setStatus(`Training ${wu.project.name}: ${samples} samples…`, "working");
+      s.asking = false;
+      s.inFlight.set(wu.id, wu);
       s.worker.postMessage({ cmd: "compute", assign: wu });
+      showWork();
+      askForWork(); // prefetch the next one while this one computes
     },
+    // Works for the unit being computed (its late result is dropped) and for a prefetched one (the
+    // worker skips it).
     cancel(msg) {
       for (const id of msg.work_units) {
-        if (id !== s.current) continue;
+        if (!s.inFlight.delete(id)) continue;
         s.cancelled.add(id);
         s.worker.postMessage({ cmd: "cancel", work_unit: id });
-        s.current = null;
         log(`work unit ${id} cancelled (${msg.reason || "no reason"})`);
       }
+      showWork();
       askForWork();
     },
     ack(msg) {
@@ -163,9 +191,10 @@
       raiseCredit(msg.total_credit_flops);
     },
     idle() {
-      if (s.current === null) setStatus("Waiting for work…", "waiting");
+      if (!s.inFlight.size) setStatus("Waiting for work…", "waiting");
     },
     error(msg) {
+      if (msg.code === "busy") s.asking = false; // that `ready` was refused, not queued
       log(`server error ${msg.code}: ${msg.message}`, true);
     },
   };
@@ -179,34 +208,49 @@
   // ---- worker ------------------------------------------------------------------------------------
   function onWorkerMessage(event) {
     const msg = event.data;
-    if (msg.type === "ready") {
-      s.device = { backend: msg.backend, gflops: msg.gflops, user_agent: navigator.userAgent };
-      if (navigator.deviceMemory) s.device.memory_mb = navigator.deviceMemory * 1024; // Chrome only
-      $("backend").textContent = `${msg.backend} · ${msg.gflops} GFLOP/s`;
-      log(`engine ready on ${msg.backend} (${msg.gflops} GFLOP/s)`);
-      setStatus("Connecting…", "waiting");
-      connect();
-    } else if (msg.type === "init_failed") {
+    if (msg.type === "ready") onEngineReady(msg);
+    else if (msg.type === "init_failed") {
       log(`could not start the engine: ${msg.error}`, true);
       stop();
       setStatus("This browser cannot run the engine.", "error");
-    } else if (s.cancelled.delete(msg.work_unit)) {
-      // Late result (or skip notice) of cancelled work: drop it. `ready` already went out at cancel time.
+    } else onWorkUnitMessage(msg);
+  }
+
+  function onEngineReady(msg) {
+    s.device = { backend: msg.backend, gflops: msg.gflops, user_agent: navigator.userAgent };
+    if (navigator.deviceMemory) s.device.memory_mb = navigator.deviceMemory * 1024; // Chrome only
+    $("backend").textContent = `${msg.backend} · ${msg.gflops} GFLOP/s`;
+    log(`engine ready on ${msg.backend} (${msg.gflops} GFLOP/s)`);
+    setStatus("Connecting…", "waiting");
+    s.engineSince = performance.now();
+    s.shareTimer = setInterval(showComputeShare, SHARE_REFRESH_MS);
+    connect();
+  }
+
+  function onWorkUnitMessage(msg) {
+    if (msg.type === "result") { // cancelled or not, the device spent this time computing
+      s.computeMs += msg.timings.compute_ms;
+      showComputeShare();
+    }
+    if (s.cancelled.delete(msg.work_unit)) {
+      // Late result (or skip notice) of cancelled work: drop it. Its slot was freed at cancel time.
     } else if (msg.type === "result") {
       onResult(msg);
     } else if (msg.type === "failed") {
       log(`work unit ${msg.work_unit} failed: ${msg.error}`, true);
-      s.current = null;
+      s.inFlight.delete(msg.work_unit);
+      showWork();
       setTimeout(askForWork, 2000); // don't spin if every unit fails the same way
     }
   }
 
   function onResult(msg) {
-    s.current = null;
+    s.inFlight.delete(msg.work_unit);
+    showWork();
     updateRate(msg);
     log(`work unit ${msg.work_unit}: ${msg.samples} samples, loss ${msg.loss.toFixed(4)}, ` +
       `${msg.timings.compute_ms} ms compute, ${msg.timings.download_ms} ms download`);
-    s.outbox = msg;
+    s.outbox.push(msg);
     flushOutbox();
     askForWork();
   }
@@ -228,6 +272,7 @@
     if (!s.running) return;
     s.running = false;
     clearTimeout(s.reconnectTimer);
+    clearInterval(s.shareTimer);
     if (s.socket) {
       send({ type: "bye" });
       const socket = s.socket;

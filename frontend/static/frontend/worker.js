@@ -2,6 +2,8 @@
 //   page -> worker  {cmd: "init", backends?: [..preference order..]}
 //                   {cmd: "compute", assign: <work_unit of the protocol's `assign` message>}
 //                   {cmd: "cancel", work_unit}
+// Computes run one at a time in arrival order, but each unit's blobs start downloading as soon as it
+// arrives, so a prefetched unit is ready to go when the one before it finishes.
 //   worker -> page  {type: "ready", backend, gflops}
 //                   {type: "result", work_unit, model_version, samples, loss,
 //                    timings: {download_ms, compute_ms}, bytes: ArrayBuffer (transferred)}
@@ -29,6 +31,7 @@ let current = null; // {graphUrl, weightsUrl, backend, model}
 const cancelled = new Set();
 const cpuGraphs = new Set(); // graph URLs that hit a missing WASM kernel at run time
 let queue = Promise.resolve(); // computes run one after another
+const feedbacks = new Map(); // project id -> ErrorFeedback: int8's residual, carried across work units
 
 // ---- backend selection ------------------------------------------------------------------------
 async function usable(name) {
@@ -169,42 +172,72 @@ async function download(assign) {
   return { graph, weights, shards, ms: performance.now() - t0 };
 }
 
-async function gradients(assign, d) {
-  const model = await modelFor(assign, d.graph, d.weights);
+// ---- tasks ---------------------------------------------------------------------------------------
+// One residual per project, kept across model versions like the Python simulator does: what int8 drops
+// from one update is owed to the project, whichever version the next update is computed on.
+function feedbackFor(assign) {
+  if (assign.codec !== "int8") return null;
+  const id = assign.project.id;
+  if (!feedbacks.has(id)) feedbacks.set(id, new ct.codecs.ErrorFeedback("int8"));
+  return feedbacks.get(id);
+}
+
+function sliceOf(assign, d) {
   const x = gather(d.shards, assign.shards, "x");
-  const y = gather(d.shards, assign.shards, "y");
-  return ct.train.sliceGradients(model, x, y, {
-    batchSize: Math.max(1, assign.batch_size || x.shape[0]), codec: assign.codec || "fp32",
-  });
+  return { x, y: gather(d.shards, assign.shards, "y"), batchSize: Math.max(1, assign.batch_size || x.shape[0]) };
+}
+
+// Each task -> {bytes: Uint8Array (the encoded update), loss, samples}.
+const TASKS = {
+  async gradient(model, assign, { x, y, batchSize }) {
+    const r = await ct.train.sliceGradients(model, x, y, { batchSize, codec: assign.codec || "fp32", feedback: feedbackFor(assign) });
+    return { bytes: r.grads, loss: r.loss, samples: r.samples };
+  },
+  async local_steps(model, assign, { x, y, batchSize }) {
+    const local = assign.local || {};
+    if ((local.optimizer || "sgd") !== "sgd") throw new Error(`unsupported local optimizer ${local.optimizer}`);
+    const r = await ct.train.localSteps(model, x, y, {
+      batchSize, lr: local.lr, momentum: local.momentum || 0, codec: assign.codec || "fp32", feedback: feedbackFor(assign),
+    });
+    return { bytes: r.delta, loss: r.loss, samples: r.samples };
+  },
+};
+
+async function runTask(assign, d) {
+  const task = TASKS[assign.task || "gradient"];
+  if (!task) throw new Error(`unknown task ${assign.task}`);
+  const model = await modelFor(assign, d.graph, d.weights);
+  return task(model, assign, sliceOf(assign, d));
 }
 
 // A kernel missing on WASM shows up only when the graph runs: retry that graph on the CPU backend.
-async function gradientsWithFallback(assign, d) {
+// (Tasks encode only after computing, so a failed attempt never touches the int8 residual.)
+async function runTaskWithFallback(assign, d) {
   try {
-    return await gradients(assign, d);
+    return await runTask(assign, d);
   } catch (err) {
     const missingKernel = /not registered for backend 'wasm'/.test(String(err && err.message));
     if (!missingKernel || cpuGraphs.has(assign.graph_url)) throw err;
     cpuGraphs.add(assign.graph_url);
-    return gradients(assign, d);
+    return runTask(assign, d);
   }
 }
 
-async function compute(assign) {
-  const d = await download(assign);
+async function compute(assign, downloading) {
+  const d = await downloading;
   const t0 = performance.now();
-  const r = await gradientsWithFallback(assign, d);
-  const bytes = r.grads.buffer.byteLength === r.grads.byteLength ? r.grads.buffer : r.grads.slice().buffer;
+  const r = await runTaskWithFallback(assign, d);
+  const bytes = r.bytes.buffer.byteLength === r.bytes.byteLength ? r.bytes.buffer : r.bytes.slice().buffer;
   return {
     type: "result", work_unit: assign.id, model_version: assign.model_version, samples: r.samples, loss: r.loss,
     timings: { download_ms: Math.round(d.ms), compute_ms: Math.round(performance.now() - t0) }, bytes,
   };
 }
 
-async function runCompute(assign) {
+async function runCompute(assign, downloading) {
   if (cancelled.delete(assign.id)) { self.postMessage({ type: "cancelled", work_unit: assign.id }); return; }
   try {
-    const result = await compute(assign);
+    const result = await compute(assign, downloading);
     self.postMessage(result, [result.bytes]);
   } catch (err) {
     self.postMessage({ type: "failed", work_unit: assign.id, error: String((err && err.message) || err) });
@@ -226,7 +259,10 @@ self.onmessage = (event) => {
       }
     });
   } else if (msg.cmd === "compute") {
-    queue = queue.then(() => runCompute(msg.assign));
+    // Start downloading now, while an earlier unit may still be computing (prefetch).
+    const downloading = download(msg.assign);
+    downloading.catch(() => {}); // reported by runCompute when its turn comes
+    queue = queue.then(() => runCompute(msg.assign, downloading));
   } else if (msg.cmd === "cancel") {
     cancelled.add(msg.work_unit); // only skips work not yet started; the page drops late results
   }

@@ -78,13 +78,44 @@
     }
   }
 
-  // `steps` SGD/Adam steps; returns the tensor count after every step and the final params.
+  // Local SGD steps through train.js on a fresh model. Also reports whether localSteps left the model as
+  // it found it (the worker reuses models across units) and how many tensors it leaked.
+  async function localSteps(graphJson, weightsB64, batchB64, batchSize, lr, momentum, codec) {
+    const graph = ct.graph.load(graphJson);
+    const weights = ct.codecs.decode(fromB64(weightsB64));
+    const model = ct.runtime.createModel(graph, weights);
+    const batch = ct.codecs.decode(fromB64(batchB64));
+    try {
+      const x = batch[graph.inputs[0].name], y = batch[graph.targets[0].name];
+      const before = tf.memory().numTensors;
+      const r = await ct.train.localSteps(model, x, y, { batchSize, lr, momentum, codec });
+      const leaked = tf.memory().numTensors - before;
+      let moved = 0;
+      for (const [name, v] of Object.entries({ ...model.params, ...model.buffers })) {
+        const now = await v.data(), was = weights[name].data;
+        for (let i = 0; i < now.length; i++) moved = Math.max(moved, Math.abs(now[i] - was[i]));
+      }
+      return { delta: toB64(r.delta), loss: r.loss, samples: r.samples, leaked, moved };
+    } finally {
+      model.dispose();
+    }
+  }
+
+  // Bytes held in GPU textures where the backend has a GPU (webgl: tensor count alone would miss a
+  // texture that grows or is never released), else bytes of all tensors.
+  function deviceBytes() {
+    const m = tf.memory();
+    return typeof m.numBytesInGPU === "number" ? m.numBytesInGPU : m.numBytes;
+  }
+
+  // `steps` SGD/Adam steps; returns the tensor count and device bytes after every step and the final params.
   async function trainSteps(graphJson, weightsB64, batchB64, steps, optimizer, options) {
     const graph = ct.graph.load(graphJson);
     const model = ct.runtime.createModel(graph, ct.codecs.decode(fromB64(weightsB64)));
     const batch = ct.codecs.decode(fromB64(batchB64));
     const opt = new ct.optim[optimizer](model.params, options);
     const counts = [];
+    const deviceBytesPerStep = [];
     const losses = [];
     try {
       for (let i = 0; i < steps; i++) {
@@ -94,8 +125,10 @@
         losses.push((await g.loss.data())[0]);
         tf.dispose([g.loss, ...Object.values(g.grads), ...Object.values(feeds)]);
         counts.push(tf.memory().numTensors);
+        deviceBytesPerStep.push(deviceBytes());
       }
-      return { counts, losses, params: await tensorsToB64(model.params), bytes: tf.memory().numBytes };
+      return { counts, deviceBytes: deviceBytesPerStep, losses, params: await tensorsToB64(model.params),
+        bytes: tf.memory().numBytes };
     } finally {
       opt.dispose();
       model.dispose();
@@ -132,5 +165,5 @@
     });
   }
 
-  self.harness = { useBackend, gradients, sliceGradients, trainSteps, encode, decode, workerCompute };
+  self.harness = { useBackend, gradients, sliceGradients, localSteps, trainSteps, encode, decode, workerCompute };
 })();

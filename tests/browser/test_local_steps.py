@@ -1,0 +1,68 @@
+"""train.js localSteps (task `local_steps`, docs/protocol.md "Tasks") against engine.runtime.local_steps,
+the PyTorch reference the server's spot checks recompute: the delta, the loss and the buffers."""
+
+from __future__ import annotations
+
+import base64
+import json
+from typing import Any
+
+import pytest
+
+from tests.browser import graphs
+from tests.browser.parity import b64, float64_local_steps, max_errors, record, split_batch
+from tests.browser.test_parity import preset
+
+pytestmark = pytest.mark.browser
+codecs = pytest.importorskip("engine.codecs")
+runtime = pytest.importorskip("engine.runtime")
+
+TOLERANCE = 1e-4
+BACKENDS = ["webgl", "cpu"]
+SAMPLES, BATCH, LR, MOMENTUM = 20, 8, 0.05, 0.9  # batches of 8, 8, 4: the ragged last one counts too
+
+
+def case(name: str) -> tuple[graphs.Graph, graphs.Tensors]:
+    if name == "hand:cnn":  # batch norm: buffers travel with the delta
+        g = graphs.cnn()
+        return g, graphs.init_weights(g, 5)
+    return preset(name)  # dropout off: its masks are random on both sides
+
+
+def delta_errors(got: graphs.Tensors, want: graphs.Tensors, exact: graphs.Tensors) -> dict[str, Any]:
+    """Per param: within 1e-4 of float32 PyTorch, or (tests/browser/parity.py's rule) within 1e-4 of the
+    float64 delta or twice float32 PyTorch's own error, whichever is larger."""
+    floor = 1e-6 * max(float(t.abs().max()) for t in exact.values())
+    vs_torch, vs_exact = max_errors(got, want, floor), max_errors(got, exact, floor)
+    torch_own = max_errors(want, exact, floor)
+    bad = {k: vs_torch[k] for k in want
+           if vs_torch[k] > TOLERANCE and vs_exact[k] > max(TOLERANCE, 2 * torch_own[k])}
+    return {"vs_torch32": max(vs_torch.values()), "vs_float64": max(vs_exact.values()),
+            "torch32_vs_float64": max(torch_own.values()), "bad": bad}
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("name", ["mlp", "cnn", "hand:cnn"])
+def test_local_steps_match_torch(harness: Any, backend: str, name: str) -> None:
+    g, weights = case(name)
+    batch = graphs.batch_for(g, SAMPLES, seed=9)
+    inputs, targets = split_batch(g, batch)
+    want = runtime.local_steps(g, weights, inputs, targets, batch_size=BATCH, lr=LR, momentum=MOMENTUM)
+    exact = float64_local_steps(g, weights, batch, BATCH, LR, MOMENTUM)
+
+    assert harness.evaluate("b => harness.useBackend(b)", backend) == backend
+    r = harness.evaluate("([g, w, b, n, lr, m]) => harness.localSteps(g, w, b, n, lr, m, 'fp32')",
+                         [json.dumps(g), b64(weights), b64(batch), BATCH, LR, MOMENTUM])
+    update, meta = codecs.decode(base64.b64decode(r["delta"]))
+    params = {p["name"] for p in g["params"]}
+    errors = delta_errors({k: v for k, v in update.items() if k in params}, want.delta, exact)
+    buffers = max_errors({k: v for k, v in update.items() if k not in params}, want.buffers)
+    loss = abs(r["loss"] - want.loss) / abs(want.loss)
+    record("local_steps", {"graph": name, "backend": backend, "loss": loss,
+                           "buffer_max": max(buffers.values(), default=0.0),
+                           **{k: v for k, v in errors.items() if k != "bad"}})
+
+    assert meta["codec"] == "fp32" and r["samples"] == SAMPLES
+    assert not errors["bad"], f"{name} on {backend}: {errors}"
+    assert loss <= TOLERANCE and max(buffers.values(), default=0.0) <= TOLERANCE, (loss, buffers)
+    assert r["moved"] == 0 and r["leaked"] == 0, r  # the model is left as found, no tensor leaks
