@@ -50,15 +50,18 @@ def result_validate(*, result_id: int) -> Result:
         )
         if result.status != Result.Status.RECEIVED or result.validation != Result.Validation.PENDING:
             return result
-        if not _still_wanted(result):
-            return result
-        reason = _problem(result)
-        if reason:
-            _invalidate(result=result, reason=reason)
-        else:
-            _validate(result=result)
+        if _still_wanted(result):
+            _decide(result=result, reason=_problem(result))
+    # Late results get their verdict too, so no volunteer waits for an answer that never comes.
     transaction.on_commit(lambda: notify.result_decided(result_id=result.pk))
     return result
+
+
+def _decide(*, result: Result, reason: str) -> None:
+    if reason:
+        _invalidate(result=result, reason=reason)
+    else:
+        _validate(result=result)
 
 
 def _still_wanted(result: Result) -> bool:
@@ -108,7 +111,8 @@ def _update_problem(*, result: Result, update: Tensors) -> str:
     reason = check_update(update, expected)
     if reason:
         return reason
-    if Result.objects.filter(blob=result.blob).exclude(pk=result.pk).exists():
+    replays = Result.objects.filter(blob=result.blob, work_unit__project=result.work_unit.project)
+    if replays.exclude(pk=result.pk).exists():
         return "this update was already submitted for another work unit (replay)"
     params = {p.name: update[p.name] for p in graph.params}
     return _norm_problem(result=result, norm=_norm(params)) or _spot_check(result=result, update=params)

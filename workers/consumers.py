@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
+import random
 from typing import Any
 
 from channels.db import database_sync_to_async
@@ -134,7 +136,11 @@ class VolunteerConsumer(AsyncWebsocketConsumer):
 
     async def work_available(self, event: dict[str, Any]) -> None:
         if self.waiting:
-            await self.on_ready({})
+            # Every waiting connection hears this at once, in the same order; a little jitter shares the
+            # new work out instead of always serving the same volunteers first.
+            await asyncio.sleep(random.uniform(0, 0.05))
+            if self.waiting and len(self.assigned) < MAX_IN_FLIGHT:
+                await self.on_ready({})
 
     async def result_decided(self, event: dict[str, Any]) -> None:
         await self.send_json(protocol.credit_message(event))

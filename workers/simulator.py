@@ -34,7 +34,7 @@ from typing import Any
 import torch
 from safetensors.numpy import load as load_shard
 from websockets.asyncio.client import ClientConnection, connect
-from websockets.exceptions import ConnectionClosed
+from websockets.exceptions import ConnectionClosed, InvalidStatus
 from websockets.typing import Origin
 
 from engine import codecs
@@ -405,7 +405,8 @@ class Simulator:
                 await self.session.run()
         except _Dropped:
             self.stats.dropped += 1
-        except (_ServerClosed, ConnectionClosed, OSError) as exc:
+        # InvalidStatus: daphne refuses the handshake (HTTP 500) while Redis is down; retry like a drop.
+        except (_ServerClosed, ConnectionClosed, InvalidStatus, OSError) as exc:
             await self._reconnect_later(exc)
         finally:
             self.session = None

@@ -36,7 +36,7 @@ def configs(options: dict[str, Any]) -> list[SimulatorConfig]:
 
 def format_table(rows: list[SimulatorStats]) -> str:
     cells = [[_cell(getattr(row, column)) for column in COLUMNS] for row in rows]
-    widths = [max(len(c), *(len(r[i]) for r in cells)) for i, c in enumerate(COLUMNS)]
+    widths = [max([len(c), *(len(r[i]) for r in cells)]) for i, c in enumerate(COLUMNS)]  # rows may be []
     lines = ["  ".join(c.ljust(w) for c, w in zip(COLUMNS, widths, strict=True))]
     lines += ["  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)) for r in cells]
     return "\n".join(lines)
