@@ -107,6 +107,9 @@ class Project(models.Model):
     weight_decay = models.FloatField(default=0.0)
     local_learning_rate = models.FloatField(default=0.05, help_text="Averaging: the browsers' SGD rate.")
     local_momentum = models.FloatField(default=0.9, help_text="Averaging: the browsers' SGD momentum.")
+    local_batch_size = models.PositiveIntegerField(
+        default=64, help_text="Averaging: the mini-batch of each local step (work units hold many)."
+    )
     batch_size = models.PositiveIntegerField(
         default=64, help_text="Largest work unit in samples (and the browsers' mini-batch in averaging)."
     )

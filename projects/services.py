@@ -43,6 +43,7 @@ TRAINING_SETTINGS = (
     "weight_decay",
     "local_learning_rate",
     "local_momentum",
+    "local_batch_size",
     "batch_size",
     "round_samples",
     "round_timeout",

@@ -111,11 +111,23 @@ def _update_problem(*, result: Result, update: Tensors) -> str:
     reason = check_update(update, expected)
     if reason:
         return reason
-    replays = Result.objects.filter(blob=result.blob, work_unit__project=result.work_unit.project)
-    if replays.exclude(pk=result.pk).exists():
+    if _replayed(result):
         return "this update was already submitted for another work unit (replay)"
     params = {p.name: update[p.name] for p in graph.params}
     return _norm_problem(result=result, norm=_norm(params)) or _spot_check(result=result, update=params)
+
+
+def _replayed(result: Result) -> bool:
+    """The same bytes for another slice or version. Two honest volunteers given the same slice of the same
+    version (a round bigger than the dataset wraps around) legitimately send identical bytes."""
+    unit = result.work_unit
+    same = Result.objects.filter(blob=result.blob, work_unit__project=unit.project).exclude(pk=result.pk)
+    return same.exclude(
+        work_unit__version=unit.version,
+        work_unit__shard=unit.shard,
+        work_unit__offset=unit.offset,
+        work_unit__count=unit.count,
+    ).exists()
 
 
 def _norm(update: Tensors) -> float:
@@ -187,7 +199,7 @@ def recompute(*, work_unit: WorkUnit) -> Tensors:
             weights,
             inputs,
             targets,
-            batch_size=project.batch_size,
+            batch_size=project.local_batch_size,
             lr=project.local_learning_rate,
             momentum=project.local_momentum,
         ).delta

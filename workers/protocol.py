@@ -94,6 +94,7 @@ def assign_message(result: Result) -> dict[str, Any]:
                 "optimizer": "sgd",
                 "lr": project.local_learning_rate,
                 "momentum": project.local_momentum,
+                "batch_size": project.local_batch_size,
             },
             "deadline": result.deadline.isoformat(),
             "codec": project.codec,

@@ -157,7 +157,8 @@ class Unit:
         return cls(
             id=int(raw["id"]), project_id=int(raw["project"]["id"]), model_version=int(raw["model_version"]),
             task=str(raw.get("task", "gradient")), graph_url=raw["graph_url"], weights_url=raw["weights_url"],
-            shards=list(raw["shards"]), batch_size=int(raw["batch_size"]), lr=float(local.get("lr", 0.0)),
+            shards=list(raw["shards"]), batch_size=int(local.get("batch_size", raw["batch_size"])),
+            lr=float(local.get("lr", 0.0)),
             momentum=float(local.get("momentum", 0.0)), codec=str(raw.get("codec", "int8")),
         )
 

@@ -44,6 +44,7 @@ def project_form(**overrides: Any) -> dict[str, Any]:
         "aggregator": "mean",
         "local_learning_rate": "0.05",
         "local_momentum": "0.9",
+        "local_batch_size": "64",
         "round_timeout": "60",
         "staleness_bound": "4",
         "target_seconds": "20",

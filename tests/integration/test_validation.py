@@ -142,3 +142,19 @@ def test_dropout_models_are_spot_checked_statistically(
     outcome = receive(volunteer_user, result, payload)
     assert outcome.status == status, outcome.reason
     assert judged(result).spot_checked
+
+
+def test_identical_honest_answers_to_the_same_slice_are_not_replays(
+    mlp_project: Project, volunteer_user: User, other_volunteer: User
+) -> None:
+    first = assign(volunteer_user)
+    payload = honest_update(first.work_unit)
+    assert receive(volunteer_user, first, payload).status == "valid"
+    # The same slice of the same version, sent again (as when a round wraps around a small dataset).
+    twin = WorkUnit.objects.get(pk=first.work_unit_id)
+    twin.pk, twin.status, twin.wanted, twin.total_results = None, WorkUnit.Status.OPEN, 1, 0
+    twin.save()
+    WorkUnit.objects.exclude(pk=twin.pk).update(wanted=0)
+    second = assign(other_volunteer)
+    assert second.work_unit_id == twin.pk
+    assert receive(other_volunteer, second, payload).status == "valid"

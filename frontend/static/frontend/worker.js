@@ -197,7 +197,8 @@ const TASKS = {
     const local = assign.local || {};
     if ((local.optimizer || "sgd") !== "sgd") throw new Error(`unsupported local optimizer ${local.optimizer}`);
     const r = await ct.train.localSteps(model, x, y, {
-      batchSize, lr: local.lr, momentum: local.momentum || 0, codec: assign.codec || "fp32", feedback: feedbackFor(assign),
+      batchSize: local.batch_size || batchSize, lr: local.lr, momentum: local.momentum || 0,
+      codec: assign.codec || "fp32", feedback: feedbackFor(assign),
     });
     return { bytes: r.delta, loss: r.loss, samples: r.samples };
   },
