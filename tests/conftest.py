@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import io
 from collections.abc import Iterator
 from pathlib import Path
@@ -99,3 +100,12 @@ def browser() -> Iterator[Any]:
         instance = pw.chromium.launch(**launch_options())
         yield instance
         instance.close()
+
+
+def run_async(coro: Any) -> Any:
+    """asyncio.run in a thread of its own: Playwright's sync API keeps an event loop running in the main
+    thread for the whole session once a browser test has run, and asyncio.run refuses to nest in it."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        return pool.submit(asyncio.run, coro).result()

@@ -24,6 +24,7 @@ from typing import Any
 import psycopg
 import pytest
 
+from tests.conftest import run_async
 from tests.e2e.stack import Stack
 from workers.simulator import Simulator, SimulatorConfig, SimulatorStats
 
@@ -138,7 +139,7 @@ def valid_flops(stack: Stack, project: str) -> int:
 
 
 def train(stack: Stack, project: str, configs: list[SimulatorConfig], timeout: float = 120) -> Run:
-    stats = asyncio.run(simulate(stack, project, configs, timeout))
+    stats = run_async(simulate(stack, project, configs, timeout))
     versions = scalar(stack, "SELECT max(v.number) FROM projects_modelversion v "
                              "JOIN projects_project p ON p.id = v.project_id WHERE p.name = %s", project)
     assert versions == VERSIONS, f"{project} reached version {versions} only"

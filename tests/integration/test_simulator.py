@@ -14,6 +14,7 @@ import pytest
 from websockets.asyncio.client import connect
 from websockets.typing import Origin
 
+from tests.conftest import run_async
 from tests.e2e.stack import Stack
 from workers.simulator import Simulator, SimulatorConfig, SimulatorStats
 
@@ -42,7 +43,7 @@ def run(stack: Stack, *configs: SimulatorConfig, timeout: float = 240) -> list[S
     async def all_of_them() -> list[SimulatorStats]:
         return list(await asyncio.gather(*(Simulator(c).run() for c in configs)))
 
-    return asyncio.run(asyncio.wait_for(all_of_them(), timeout))
+    return run_async(asyncio.wait_for(all_of_them(), timeout))
 
 
 def volunteer(stack: Stack, name: str, **overrides: Any) -> SimulatorConfig:
@@ -149,7 +150,7 @@ def test_an_idle_volunteer_keeps_its_connection(stack: Stack) -> None:
             await ws.send(json.dumps({"type": "ready"}))
             return dict(json.loads(await ws.recv()))
 
-    assert asyncio.run(scenario())["type"] == "assign"
+    assert run_async(scenario())["type"] == "assign"
 
 
 def test_dropped_connections_give_the_work_back(stack: Stack) -> None:
