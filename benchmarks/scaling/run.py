@@ -216,34 +216,7 @@ class ScalingStack(Stack):
         for log in ("web", "worker", "beat"):
             (self.var_dir / f"{log}.log").unlink(missing_ok=True)
         (self.var_dir / "beat-schedule").unlink(missing_ok=True)
-        self._spawn(
-            "web",
-            "-m",
-            "daphne",
-            "-b",
-            "127.0.0.1",
-            "-p",
-            str(self.port),
-            "--websocket-max-message-size",
-            str(129 * 2**20),
-            "--websocket-max-frame-size",
-            str(129 * 2**20),
-            "crowdtrain.asgi:application",
-        )
-        self._spawn("worker", "-m", "celery", "-A", "crowdtrain", "worker", "--pool", "solo", "-l", "info")
-        self._spawn(
-            "beat",
-            "-m",
-            "celery",
-            "-A",
-            "crowdtrain",
-            "beat",
-            "-l",
-            "info",
-            "--schedule",
-            str(self.var_dir / "beat-schedule"),
-        )
-        self._wait_for_http()
+        self.spawn_processes()
 
 
 def worker_task_times(log: str) -> dict[str, dict[str, float]]:

@@ -70,6 +70,10 @@ class Stack:
         self.manage("migrate", "--verbosity", "0")
         self.manage("ensure_admin")
         self.manage("seed_demo", *self.seed_args)
+        self.spawn_processes()
+
+    def spawn_processes(self) -> None:
+        """daphne, a Celery worker and beat, each its own process, as in production."""
         self._spawn(
             "web",
             "-m",

@@ -38,7 +38,7 @@ def ledger_total(stack: Stack) -> int:
     return int(row[0]) if row else 0
 
 
-def sign_up(page, stack: Stack, username: str) -> None:  # type: ignore[no-untyped-def]
+def sign_up(page, stack: Stack, username: str) -> None:
     page.goto(stack.url + "/signup/")
     page.fill("input[name=username]", username)
     page.fill("input[name=password1]", "Tr41n-the-w0rld!")
@@ -47,7 +47,7 @@ def sign_up(page, stack: Stack, username: str) -> None:  # type: ignore[no-untyp
     page.wait_for_load_state()
 
 
-def wait_for_accuracy(page, stack: Stack, minutes: float) -> float:  # type: ignore[no-untyped-def]
+def wait_for_accuracy(page, stack: Stack, minutes: float) -> float:
     deadline = time.monotonic() + minutes * 60
     accuracy = 0.0
     while time.monotonic() < deadline and accuracy <= TARGET_ACCURACY:
@@ -56,7 +56,7 @@ def wait_for_accuracy(page, stack: Stack, minutes: float) -> float:  # type: ign
     return accuracy
 
 
-def test_new_volunteer_trains_the_demo_to_80_percent(stack: Stack, browser) -> None:  # type: ignore[no-untyped-def]
+def test_new_volunteer_trains_the_demo_to_80_percent(stack: Stack, browser) -> None:
     SHOTS.mkdir(parents=True, exist_ok=True)
     page = browser.new_page(viewport={"width": 1280, "height": 900})
     sign_up(page, stack, "newvolunteer")
