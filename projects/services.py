@@ -6,7 +6,6 @@ computed in training.py. Views, consumers and Celery tasks only validate input a
 
 from __future__ import annotations
 
-import logging
 from functools import lru_cache
 from typing import Any
 
@@ -23,6 +22,7 @@ from projects.blobs import blob_put
 from projects.datasets import dataset_load_split
 from projects.lifecycle import work_units_cancel
 from projects.models import (
+    Blob,
     Dataset,
     DatasetShard,
     Metric,
@@ -31,7 +31,6 @@ from projects.models import (
     WorkUnit,
 )
 
-logger = logging.getLogger(__name__)
 Tensors = dict[str, torch.Tensor]
 
 TRAINING_SETTINGS = (
@@ -148,7 +147,14 @@ def project_pause(*, project: Project) -> Project:
 
 
 def project_graph(*, project: Project) -> Graph:
-    return load_graph(project.graph.read())
+    return _graph_from_blob(sha256=project.graph_id)
+
+
+@lru_cache(maxsize=32)
+def _graph_from_blob(*, sha256: str) -> Graph:
+    # Graph blobs are immutable and content-addressed: validation, spot checks and aggregation all need the
+    # parsed graph, so parse (and shape-check) each one once per process instead of once per call.
+    return load_graph(Blob.objects.get(pk=sha256).read())
 
 
 # --- versions -------------------------------------------------------------------------------------

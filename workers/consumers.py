@@ -21,7 +21,7 @@ from projects.lifecycle import (
 from workers import protocol
 from workers.models import Device
 from workers.protocol import ProtocolError, ResultMeta
-from workers.services import device_disconnect, device_register, volunteer_ensure
+from workers.services import device_disconnect, device_register
 
 UNAUTHENTICATED = 4401
 
@@ -82,7 +82,7 @@ class VolunteerConsumer(AsyncWebsocketConsumer):
     async def on_hello(self, message: dict[str, Any]) -> None:
         device = protocol.parse_hello(message)
         self.device = await database_sync_to_async(device_register)(user=self.user, device=device)
-        volunteer = await database_sync_to_async(volunteer_ensure)(user=self.user)
+        volunteer = self.device.volunteer
         self.greeted = True
         await self.send_json(
             {
