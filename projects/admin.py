@@ -358,13 +358,16 @@ class WorkUnitAdmin(ReadOnlyAdmin):
         "offset",
         "count",
         "wanted",
+        "target_results",
+        "min_quorum",
         "total_results",
         "error_results",
+        "canonical_result",
         "created_at",
     ]
     list_filter = ["status", ("project", admin.RelatedOnlyFieldListFilter)]
-    list_select_related = ["project", "version"]
-    raw_id_fields = ["version", "shard"]
+    list_select_related = ["project", "version", "canonical_result"]
+    raw_id_fields = ["version", "shard", "canonical_result"]
 
     @admin.display(description="version", ordering="version__number")
     def version_number(self, work_unit: WorkUnit) -> int:
@@ -391,6 +394,7 @@ class ResultAdmin(ReadOnlyAdmin):
         "status",
         "validation",
         "spot_checked",
+        "checked",
         "aggregated",
         ("work_unit__project", admin.RelatedOnlyFieldListFilter),
     ]

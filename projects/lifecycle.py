@@ -3,23 +3,33 @@
 A work unit is a slice of training data on one model version; each time it is sent to a volunteer a
 Result (an instance) is created with its own deadline. Validation and training live in validation.py
 and training.py; this module only moves work units and results between states.
+
+Projects that spot-check by replication (`spot_check_by` "replica", BOINC's adaptive replication) decide
+here, when an instance is sent, whether it is checked: always for volunteers not yet trusted, for a
+`spot_check_rate` share of trusted ones. A checked work unit wants two results that must agree
+(`target_results` = `min_quorum` = 2), so one more instance goes to a different volunteer.
+
+Lock order, to keep concurrent transactions free of deadlocks: instances in flight, then their work
+units, then received results (validation.py takes the work unit before its results too).
 """
 
 from __future__ import annotations
 
+import random
 from dataclasses import dataclass
 from datetime import timedelta
 
 from django.conf import settings
 from django.contrib.auth.models import User
 from django.db import transaction
-from django.db.models import Q, Sum
+from django.db.models import Q, QuerySet, Sum
 from django.utils import timezone
 
 from projects import notify
 from projects.blobs import blob_put
 from projects.models import DatasetShard, ModelVersion, Project, Result, WorkUnit
 from workers.models import Device, Volunteer
+from workers.services import volunteer_ensure
 
 # A connection may hold this many instances at once: one computing, one prefetched.
 MAX_IN_FLIGHT = 2
@@ -108,9 +118,22 @@ def work_unit_assign(*, user: User, device: Device | None = None) -> Result | No
             )
         work_unit.wanted -= 1
         work_unit.total_results += 1
-        work_unit.save(update_fields=["wanted", "total_results", "count"])
+        if _needs_replica(work_unit=work_unit, user=user):
+            work_unit.replicate()
+            transaction.on_commit(notify.work_available)  # the replica is for someone else
+        work_unit.save(update_fields=["wanted", "total_results", "count", "target_results", "min_quorum"])
         deadline = timezone.now() + timedelta(seconds=settings.CROWDTRAIN["WORK_UNIT_DEADLINE_SECONDS"])
         return Result.objects.create(work_unit=work_unit, volunteer=user, device=device, deadline=deadline)
+
+
+def _needs_replica(*, work_unit: WorkUnit, user: User) -> bool:
+    """Spot check by replication: the volunteer is not trusted yet, or a trusted one drew a check. Decided
+    once per work unit; the scheduler never gives the replica to a volunteer holding an instance."""
+    project = work_unit.project
+    if project.spot_check_by != Project.SpotCheckBy.REPLICA or work_unit.target_results != 1:
+        return False
+    trusted = volunteer_ensure(user=user).is_trusted(threshold=project.trust_threshold)
+    return not trusted or random.random() < project.spot_check_rate
 
 
 def _next_open_work_unit(*, user: User) -> WorkUnit | None:
@@ -118,7 +141,9 @@ def _next_open_work_unit(*, user: User) -> WorkUnit | None:
         WorkUnit.objects.select_for_update(skip_locked=True, of=("self",))
         .filter(status=WorkUnit.Status.OPEN, wanted__gt=0, project__status=Project.Status.RUNNING)
         .exclude(results__volunteer=user)
-        .select_related("project", "version__weights", "shard__blob", "project__graph")
+        .select_related(
+            "project", "version__weights", "version__wire_weights", "shard__blob", "project__graph"
+        )
         # Oldest open round first: with several projects, each one's round keeps moving.
         .order_by("-project__priority", "version__created_at", "id")
         .first()
@@ -231,11 +256,15 @@ def results_expire() -> list[int]:
 
 def results_unvalidated() -> list[int]:
     """Received results whose validation never ran (see VALIDATION_RETRY_SECONDS), oldest first.
-    Queuing one again is harmless: result_validate decides a result once and ignores it afterwards."""
+    Queuing one again is harmless: result_validate decides a result once and ignores it afterwards.
+    Results that passed their checks and wait for their work unit's quorum are not lost, only waiting."""
     cutoff = timezone.now() - timedelta(seconds=VALIDATION_RETRY_SECONDS)
     return list(
         Result.objects.filter(
-            status=Result.Status.RECEIVED, validation=Result.Validation.PENDING, received_at__lt=cutoff
+            status=Result.Status.RECEIVED,
+            validation=Result.Validation.PENDING,
+            checked=False,
+            received_at__lt=cutoff,
         )
         .order_by("received_at")
         .values_list("pk", flat=True)[:VALIDATION_RETRY_BATCH]
@@ -256,11 +285,45 @@ def _reopen(*, work_unit: WorkUnit, failed: bool) -> None:
     if not work_unit.is_open:
         return
     if failed:
-        work_unit.record_failure()
+        work_unit_fail(work_unit=work_unit)
     else:
         work_unit.wanted += 1
         work_unit.total_results -= 1
-    work_unit.save(update_fields=["wanted", "error_results", "total_results", "status"])
+        work_unit.save(update_fields=["wanted", "total_results"])
+
+
+def work_unit_fail(*, work_unit: WorkUnit) -> None:
+    """An instance of an open work unit (locked by the caller) timed out or was invalid: send another,
+    or give the slice up if it keeps failing (its samples are then fed anew)."""
+    work_unit.record_failure()
+    work_unit.save(update_fields=["wanted", "error_results", "status"])
+    if work_unit.status == WorkUnit.Status.ERRORED:
+        results_abandon(work_unit_ids=[work_unit.pk], reason="this work unit failed too often")
+
+
+def results_awaiting_quorum(*, work_unit_ids: list[int]) -> QuerySet[Result]:
+    """Locked, oldest first: results that passed their own checks and wait for their work unit's quorum."""
+    return (
+        Result.objects.select_for_update(of=("self",))
+        .filter(
+            work_unit_id__in=work_unit_ids,
+            status=Result.Status.RECEIVED,
+            validation=Result.Validation.PENDING,
+            checked=True,
+        )
+        .order_by("pk")
+    )
+
+
+def results_abandon(*, work_unit_ids: list[int], reason: str) -> None:
+    """Results that passed their checks but still wait for a quorum of work units that will never have
+    one (cancelled or errored) are late: no credit, no penalty, and their volunteers are told. (Results
+    still in the validation queue are found late when validated.)"""
+    waiting = list(results_awaiting_quorum(work_unit_ids=work_unit_ids).values_list("pk", flat=True))
+    if not waiting:
+        return
+    Result.objects.filter(pk__in=waiting).update(status=Result.Status.CANCELLED, reason=reason[:200])
+    transaction.on_commit(lambda: notify.results_decided(result_ids=waiting))
 
 
 def work_units_cancel(*, work_units: list[WorkUnit], reason: str) -> None:
@@ -272,4 +335,5 @@ def work_units_cancel(*, work_units: list[WorkUnit], reason: str) -> None:
         by_user.setdefault(user_id, []).append(work_unit_id)
     in_flight.update(status=Result.Status.CANCELLED, reason=reason)
     WorkUnit.objects.filter(pk__in=ids).update(status=WorkUnit.Status.CANCELLED)
+    results_abandon(work_unit_ids=ids, reason=reason)
     transaction.on_commit(lambda: notify.work_cancelled(by_user=by_user, reason=reason))

@@ -82,6 +82,10 @@ class Project(models.Model):
         TRIMMED_MEAN = "trimmed_mean", "Trimmed mean (drops the extremes per coordinate)"
         MEDIAN = "median", "Coordinate-wise median"
 
+    class SpotCheckBy(models.TextChoices):
+        SERVER = "server", "Recompute the update on the server"
+        REPLICA = "replica", "Send the work unit to a second volunteer and compare the two updates"
+
     owner = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="projects")
     name = models.CharField(max_length=200, unique=True)
     description = models.TextField(blank=True)
@@ -96,6 +100,12 @@ class Project(models.Model):
         choices=Codec.choices,
         default=Codec.INT8,
         help_text="How volunteers compress their updates on the wire.",
+    )
+    weights_codec = models.CharField(
+        max_length=10,
+        choices=Codec.choices,
+        default=Codec.FP32,
+        help_text="How model weights go down to volunteers; they train from exactly these (decoded) weights.",
     )
     aggregator = models.CharField(max_length=20, choices=Aggregator.choices, default=Aggregator.MEAN)
     learning_rate = models.FloatField(
@@ -126,7 +136,13 @@ class Project(models.Model):
         default=20, help_text="Work units are sized to take this long."
     )
     spot_check_rate = models.FloatField(
-        default=0.1, help_text="Share of trusted volunteers' results recomputed on the server."
+        default=0.1, help_text="Share of trusted volunteers' results that are spot-checked."
+    )
+    spot_check_by = models.CharField(
+        max_length=10,
+        choices=SpotCheckBy.choices,
+        default=SpotCheckBy.SERVER,
+        help_text="How a spot check is done: a server recomputation, or a replica on a second volunteer.",
     )
     trust_threshold = models.PositiveIntegerField(
         default=5, help_text="Consecutive valid results after which a volunteer is trusted."
@@ -167,6 +183,8 @@ class ModelVersion(models.Model):
     optimizer_state = models.ForeignKey(
         Blob, on_delete=models.PROTECT, related_name="+", null=True, blank=True
     )
+    # The weights as volunteers download them (the project's weights_codec); None: the fp32 weights.
+    wire_weights = models.ForeignKey(Blob, on_delete=models.PROTECT, related_name="+", null=True, blank=True)
     train_loss = models.FloatField(null=True, blank=True)
     samples = models.PositiveIntegerField(default=0, help_text="Samples aggregated into this version.")
     created_at = models.DateTimeField(auto_now_add=True)
@@ -178,9 +196,18 @@ class ModelVersion(models.Model):
     def __str__(self) -> str:
         return f"{self.project} v{self.number}"
 
+    @property
+    def download(self) -> Blob:
+        return self.wire_weights or self.weights
+
 
 class WorkUnit(models.Model):
-    """A slice of training data on one model version (BOINC's workunit); results are its instances."""
+    """A slice of training data on one model version (BOINC's workunit); results are its instances.
+
+    Like BOINC's, it wants `target_results` successful results, of which `min_quorum` must agree before
+    one of them becomes `canonical_result`: the only one aggregated. Both are 1 unless the work unit is
+    spot-checked by replication (Project.spot_check_by "replica"), which raises them to 2.
+    """
 
     class Status(models.TextChoices):
         OPEN = "open"
@@ -194,9 +221,15 @@ class WorkUnit(models.Model):
     offset = models.PositiveIntegerField()
     count = models.PositiveIntegerField()
     status = models.CharField(max_length=10, choices=Status.choices, default=Status.OPEN, db_index=True)
-    # Instances still to send: target results minus those in flight or received. Kept as a counter so the
-    # scheduler can lock candidate rows (FOR UPDATE SKIP LOCKED) without a GROUP BY.
+    # Instances still to send: target results (plus one for each failed instance) minus those in flight or
+    # received. Kept as a counter so the scheduler can lock candidate rows (FOR UPDATE SKIP LOCKED) without
+    # a GROUP BY.
     wanted = models.PositiveSmallIntegerField(default=1)
+    target_results = models.PositiveSmallIntegerField(default=1)
+    min_quorum = models.PositiveSmallIntegerField(default=1)
+    canonical_result = models.OneToOneField(
+        "Result", on_delete=models.SET_NULL, null=True, blank=True, related_name="canonical_for"
+    )
     max_error_results = models.PositiveSmallIntegerField(default=3)
     max_total_results = models.PositiveSmallIntegerField(default=6)
     error_results = models.PositiveSmallIntegerField(default=0)
@@ -219,6 +252,19 @@ class WorkUnit(models.Model):
         if self.error_results >= self.max_error_results or self.total_results >= self.max_total_results:
             self.status = self.Status.ERRORED
         else:
+            self.wanted += 1
+
+    def replicate(self) -> None:
+        """Spot check by replication: one more volunteer computes this slice and the two must agree."""
+        self.target_results = self.min_quorum = 2
+        self.wanted += 1
+
+    def record_disagreement(self) -> None:
+        """Its results disagree with no quorum: send one more instance, unless it was sent too often."""
+        if self.total_results >= self.max_total_results:
+            self.status = self.Status.ERRORED
+        else:
+            self.target_results += 1
             self.wanted += 1
 
 
@@ -246,6 +292,9 @@ class Result(models.Model):
     validation = models.CharField(max_length=10, choices=Validation.choices, default=Validation.PENDING)
     reason = models.CharField(max_length=200, blank=True)
     spot_checked = models.BooleanField(default=False)
+    # Passed its own checks (names, shapes, finite values, samples, replays, norm). While still pending, it
+    # waits for its work unit's quorum, not in the validation queue.
+    checked = models.BooleanField(default=False)
     sent_at = models.DateTimeField(auto_now_add=True)
     deadline = models.DateTimeField()
     received_at = models.DateTimeField(null=True, blank=True)

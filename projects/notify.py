@@ -33,7 +33,7 @@ def result_received(*, result_id: int) -> None:
 
 def result_decided(*, result_id: int) -> None:
     """Tell the volunteer how its result was judged; valid results may complete a round."""
-    from projects import tasks
+    from projects import tasks, training
     from projects.lifecycle import result_outcome
     from projects.models import Result
 
@@ -50,10 +50,15 @@ def result_decided(*, result_id: int) -> None:
             "total_credit_flops": outcome.total_credit_flops,
         },
     )
-    if result.is_valid:
+    if result.is_valid and training.round_ready(project_id=result.work_unit.project_id):
         tasks.project_step.delay(result.work_unit.project_id)
     elif result.validation == Result.Validation.INVALID:
         work_available()  # its slice is open again
+
+
+def results_decided(*, result_ids: list[int]) -> None:
+    for result_id in result_ids:
+        result_decided(result_id=result_id)
 
 
 def version_published(*, project_id: int, version_id: int, number: int) -> None:

@@ -36,6 +36,7 @@ Tensors = dict[str, torch.Tensor]
 TRAINING_SETTINGS = (
     "mode",
     "codec",
+    "weights_codec",
     "aggregator",
     "learning_rate",
     "momentum",
@@ -49,6 +50,7 @@ TRAINING_SETTINGS = (
     "staleness_bound",
     "target_seconds",
     "spot_check_rate",
+    "spot_check_by",
     "trust_threshold",
     "max_versions",
     "priority",
@@ -171,10 +173,13 @@ def version_publish(
 ) -> ModelVersion:
     weights_blob = blob_put(data=codecs.encode(weights))
     state_blob = blob_put(data=codecs.encode(momentum)) if momentum else None
+    codec = project.weights_codec
+    wire = blob_put(data=codecs.encode(weights, codec)) if codec != Project.Codec.FP32 else None
     return ModelVersion.objects.create(
         project=project,
         number=number,
         weights=weights_blob,
+        wire_weights=wire,
         optimizer_state=state_blob,
         train_loss=train_loss,
         samples=samples,
@@ -183,6 +188,11 @@ def version_publish(
 
 def version_weights(*, version: ModelVersion) -> Tensors:
     return codecs.decode(version.weights.read())[0]
+
+
+def version_wire_weights(*, version: ModelVersion) -> Tensors:
+    """The weights exactly as volunteers decode them: what an honest update was computed from."""
+    return codecs.decode(version.download.read())[0]
 
 
 # --- evaluation -----------------------------------------------------------------------------------

@@ -6,6 +6,8 @@
   pseudo-gradient of an outer Nesterov step (DiLoCo).
 - async_sgd: whatever valid updates arrived are applied at once, each weighted by 1/(1 + staleness).
 Stale work is cancelled when a version is published, so a straggler's result can never be applied twice.
+Only each work unit's canonical result is aggregated: when a slice was replicated to check a volunteer
+(validation.py), its samples count once and its update is averaged once, however many results agreed.
 """
 
 from __future__ import annotations
@@ -45,12 +47,22 @@ def project_step(*, project_id: int, force: bool = False) -> ModelVersion | None
     return version
 
 
+def round_ready(*, project_id: int) -> bool:
+    """Would project_step publish now? Asked after every valid result, so that only the result completing a
+    round queues the (locking) step, not all of them."""
+    project = Project.objects.get(pk=project_id)
+    current = project.current_version()
+    results = _pending(project=project, current=current)
+    return bool(results) and _round_complete(project=project, current=current, results=results, force=False)
+
+
 def _pending(*, project: Project, current: ModelVersion) -> list[Result]:
     results = Result.objects.filter(
         work_unit__project=project,
         validation=Result.Validation.VALID,
         aggregated=False,
         status=Result.Status.RECEIVED,
+        canonical_for__isnull=False,
     ).select_related("blob", "work_unit__version")
     if project.mode != Project.Mode.ASYNC_SGD:
         results = results.filter(work_unit__version=current)
@@ -70,8 +82,13 @@ def _round_complete(*, project: Project, current: ModelVersion, results: list[Re
 
 
 def _awaiting_validation(current: ModelVersion) -> bool:
+    # Results that passed their checks and wait for a replica do not hold the round: the replica may never
+    # come. Closing the round cancels them as late.
     return Result.objects.filter(
-        work_unit__version=current, status=Result.Status.RECEIVED, validation=Result.Validation.PENDING
+        work_unit__version=current,
+        status=Result.Status.RECEIVED,
+        validation=Result.Validation.PENDING,
+        checked=False,
     ).exists()
 
 

@@ -1,10 +1,22 @@
 """Validation and trust: is a received update what an honest volunteer would have sent?
 
-Every update gets cheap checks (names, shapes, finite values, sample count, replays, norm outliers).
-Volunteers are not trusted until they return `trust_threshold` valid results in a row; until then every
-update is spot-checked by recomputing it on the server with engine/, and afterwards a random
-`spot_check_rate` share still is (BOINC's adaptive replication, with the server as the second replica).
-Valid results earn credit from server-side FLOPs; invalid ones earn nothing and reset trust.
+Every update gets cheap checks of its own (names, shapes, finite values, sample count, replays, norm
+outliers). Volunteers are not trusted until they return `trust_threshold` valid results in a row; until then
+every update is spot-checked, and afterwards a random `spot_check_rate` share still is (BOINC's adaptive
+replication). A project spot-checks one of two ways (`Project.spot_check_by`):
+
+- "server" (the default): the update is recomputed on the server with engine/ and must match it, within
+  the codec's tolerance (statistically for graphs with dropout). Decided here, result by result.
+- "replica": the work unit goes to a second volunteer as well (decided when it is sent, in
+  lifecycle.work_unit_assign, which raises its target_results and min_quorum to 2). Its results stay
+  pending after their own checks until `min_quorum` of them passed those; then they are compared with each
+  other under the same tolerances. The first result agreeing with a quorum becomes the work unit's
+  canonical result; results agreeing with it are valid, the others invalid. Without a quorum one more
+  instance is sent, until `max_total_results` (then the work unit is errored and its samples fed anew).
+
+Only canonical results are aggregated (training.py): a replicated slice counts once. A result that arrives
+after its work unit was decided is judged against the canonical result but never aggregated. Valid results
+earn credit from server-side FLOPs, each of them; invalid ones earn nothing and reset trust.
 """
 
 from __future__ import annotations
@@ -23,66 +35,86 @@ from engine.graph import Graph
 from engine.runtime import compute_gradients, local_steps
 from projects import notify
 from projects.datasets import shard_load
+from projects.lifecycle import results_abandon, results_awaiting_quorum, work_unit_fail
 from projects.models import Project, Result, WorkUnit
-from projects.services import project_graph, version_weights
+from projects.services import project_graph, version_wire_weights
 from workers.models import Device, Volunteer
 from workers.services import credit_grant, volunteer_ensure
 
 Tensors = dict[str, torch.Tensor]
-# Relative L2 distance to the server's recomputation that still counts as the same update. int8 with error
-# feedback carries the previous work units' residual, so it needs the widest margin; attacks (sign flips,
-# scaling, noise, replays) land at 1.0 or more.
+# Relative L2 distance to the reference (the server's recomputation, or another volunteer's result) that
+# still counts as the same update. int8 with error feedback carries the previous work units' residual, so it
+# needs the widest margin; attacks (sign flips, scaling, noise, replays) land at 1.0 or more.
 TOLERANCE = {"fp32": 0.01, "fp16": 0.02, "int8": 0.25}
 # For graphs with dropout, whose updates cannot be recomputed exactly.
 MIN_COSINE = 0.3
 MAX_NORM_RATIO = 2.0
 NORM_OUTLIER_FACTOR = 10.0
 NORM_HISTORY = 20
+SERVER_REFERENCE = "the server's recomputation"
+REPLICA_REFERENCE = "another volunteer's result for the same work unit"
+CANONICAL_REFERENCE = "the accepted result of this work unit"
 
 
 def result_validate(*, result_id: int) -> Result:
-    """Decide a received result: valid (credited, may be aggregated) or invalid (its slice is resent)."""
+    """Decide a received result: valid (credited, may be aggregated) or invalid (its slice is resent); in
+    a replicated work unit, pending until a quorum of results is in, which then decides them all."""
     with transaction.atomic():
-        result = (
-            Result.objects.select_for_update(of=("self",))
-            .select_related("work_unit__project", "work_unit__version", "work_unit__shard__blob", "blob")
-            .get(pk=result_id)
+        # The work unit before its results: a quorum decides several results at once, and the work unit's
+        # lock serialises them; lifecycle.py takes locks in the same order. Only the work unit's row: locking
+        # the joined project too (as this once did) made a project's validations, recomputations included,
+        # run one at a time however many workers there were.
+        work_unit_id = Result.objects.values_list("work_unit_id", flat=True).get(pk=result_id)
+        work_unit = (
+            WorkUnit.objects.select_for_update(of=("self",))
+            .select_related("project", "version", "shard__blob")
+            .get(pk=work_unit_id)
         )
+        result = Result.objects.select_for_update(of=("self",)).select_related("blob").get(pk=result_id)
         if result.status != Result.Status.RECEIVED or result.validation != Result.Validation.PENDING:
             return result
-        if _still_wanted(result):
-            _decide(result=result, reason=_problem(result))
+        result.work_unit = work_unit
+        decided = _judge(result)
     # Late results get their verdict too, so no volunteer waits for an answer that never comes.
-    transaction.on_commit(lambda: notify.result_decided(result_id=result.pk))
+    transaction.on_commit(lambda: notify.results_decided(result_ids=[r.pk for r in decided]))
     return result
 
 
-def _decide(*, result: Result, reason: str) -> None:
+def _judge(result: Result) -> list[Result]:
+    """Decide `result`, if its turn came; returns every result decided (a quorum decides several)."""
+    work_unit = result.work_unit
+    late = _lateness(work_unit)
+    if late:
+        # Work cancelled while the update was in the queue (a new round started) is late, not invalid.
+        result.status, result.reason = Result.Status.CANCELLED, late
+        result.save(update_fields=["status", "reason"])
+        return [result]
+    reason, params = _own_problem(result)
+    if reason:
+        _invalidate(result=result, reason=reason)
+        return [result]
+    result.checked = True
+    if work_unit.status == WorkUnit.Status.VALIDATED:
+        return [_judge_against_canonical(result=result, update=params)]
+    if work_unit.min_quorum > 1:
+        result.save(update_fields=["checked", "update_norm"])
+        return _quorum(work_unit=work_unit, result=result)
+    reason = _spot_check(result=result, update=params)
     if reason:
         _invalidate(result=result, reason=reason)
     else:
         _validate(result=result)
-
-
-def _still_wanted(result: Result) -> bool:
-    """Work cancelled while the update was in the queue (a new round started) is late, not invalid."""
-    work_unit = (
-        WorkUnit.objects.select_for_update()
-        .select_related("project", "version", "shard__blob")
-        .get(pk=result.work_unit_id)
-    )
-    late = _lateness(work_unit)
-    if late:
-        result.status, result.reason = Result.Status.CANCELLED, late
-        result.save(update_fields=["status", "reason"])
-        return False
-    result.work_unit = work_unit
-    return True
+        _settle(work_unit=work_unit, canonical=result)
+    return [result]
 
 
 def _lateness(work_unit: WorkUnit) -> str:
     if work_unit.status == WorkUnit.Status.CANCELLED:
         return "the round closed before this result was validated"
+    if work_unit.status == WorkUnit.Status.ERRORED:
+        return "this work unit failed too often"
+    if work_unit.status == WorkUnit.Status.VALIDATED and work_unit.canonical_result_id is None:
+        return "this work unit was already decided"
     project = work_unit.project
     staleness = project.current_version().number - work_unit.version.number
     if project.mode == Project.Mode.ASYNC_SGD and not project.staleness_weight(staleness=staleness):
@@ -90,31 +122,37 @@ def _lateness(work_unit: WorkUnit) -> str:
     return ""
 
 
-def _problem(result: Result) -> str:
-    """Why the result is invalid, or '' if it passed every check it was due."""
+def _own_problem(result: Result) -> tuple[str, Tensors]:
+    """The checks every result gets on its own: why it fails them ('' if it passes), and its params."""
     work_unit = result.work_unit
     if result.samples != work_unit.count:
-        return f"expected {work_unit.count} samples, got {result.samples}"
+        return f"expected {work_unit.count} samples, got {result.samples}", {}
     if result.loss is None or not torch.isfinite(torch.tensor(result.loss)):
-        return "the loss is not a finite number"
+        return "the loss is not a finite number", {}
     try:
-        update = codecs.decode(result.blob.read())[0] if result.blob else {}
+        update = _decoded(result)
     except codecs.CodecError as exc:
-        return f"undecodable update: {exc}"
-    return _update_problem(result=result, update=update)
-
-
-def _update_problem(*, result: Result, update: Tensors) -> str:
-    graph = project_graph(project=result.work_unit.project)
+        return f"undecodable update: {exc}", {}
+    graph = project_graph(project=work_unit.project)
     expected = {p.name: tuple(p.shape) for p in graph.params}
     expected.update({b.name: tuple(b.shape) for b in graph.buffers if b.name in update})
     reason = check_update(update, expected)
     if reason:
-        return reason
+        return reason, {}
     if _replayed(result):
-        return "this update was already submitted for another work unit (replay)"
+        return "this update was already submitted for another work unit (replay)", {}
     params = {p.name: update[p.name] for p in graph.params}
-    return _norm_problem(result=result, norm=_norm(params)) or _spot_check(result=result, update=params)
+    return _norm_problem(result=result, norm=_norm(params)), params
+
+
+def _decoded(result: Result) -> Tensors:
+    return codecs.decode(result.blob.read())[0] if result.blob else {}
+
+
+def _params(result: Result, work_unit: WorkUnit) -> Tensors:
+    """The params of a result that passed its checks (so it decodes and has every one of them)."""
+    update = _decoded(result)
+    return {p.name: update[p.name] for p in project_graph(project=work_unit.project).params}
 
 
 def _replayed(result: Result) -> bool:
@@ -149,18 +187,28 @@ def _norm_problem(*, result: Result, norm: float) -> str:
 
 
 def _spot_check(*, result: Result, update: Tensors) -> str:
+    """A server-side spot check, when the project does them and this result is due one."""
     project = result.work_unit.project
+    if project.spot_check_by != Project.SpotCheckBy.SERVER:
+        return ""  # replicas are decided when work is sent (lifecycle.work_unit_assign)
     volunteer = volunteer_ensure(user=result.volunteer)
     trusted = volunteer.is_trusted(threshold=project.trust_threshold)
     if trusted and random.random() >= project.spot_check_rate:
         return ""
     result.spot_checked = True
     reference = recompute(work_unit=result.work_unit)
+    return _disagreement(project=project, update=update, reference=reference, against=SERVER_REFERENCE)
+
+
+def _disagreement(*, project: Project, update: Tensors, reference: Tensors, against: str) -> str:
+    """Why `update` is not the same update as `reference` ('' if it is): the relative L2 distance within the
+    codec's tolerance, or for graphs with dropout the statistical test. Used for server recomputations and
+    for comparing replicas alike."""
     if _stochastic(project_graph(project=project)):
-        return _statistical_problem(update=update, reference=reference)
+        return _statistical_problem(update=update, reference=reference, against=against)
     distance = _norm({k: update[k] - reference[k] for k in reference}) / max(_norm(reference), 1e-12)
     if distance > TOLERANCE[project.codec]:
-        return f"differs from the server's recomputation by {distance:.1%}"
+        return f"differs from {against} by {distance:.1%}"
     return ""
 
 
@@ -168,7 +216,7 @@ def _stochastic(graph: Graph) -> bool:
     return any(node.op == "dropout" and node.attrs.get("p", 0) > 0 for node in graph.nodes)
 
 
-def _statistical_problem(*, update: Tensors, reference: Tensors) -> str:
+def _statistical_problem(*, update: Tensors, reference: Tensors, against: str) -> str:
     """Dropout masks are random, so an honest update only points the same way as the server's, with a
     similar norm (measured here: cosine 0.65-0.75 for the CNN preset's 0.25 dropout); sign flips, noise
     and scaling do not."""
@@ -176,7 +224,7 @@ def _statistical_problem(*, update: Tensors, reference: Tensors) -> str:
     cosine = float(a @ b / max(float(a.norm() * b.norm()), 1e-30))
     ratio = float(a.norm() / max(float(b.norm()), 1e-30))
     if cosine < MIN_COSINE or not 1 / MAX_NORM_RATIO <= ratio <= MAX_NORM_RATIO:
-        return f"does not match the server's recomputation (cosine {cosine:.2f}, norm ratio {ratio:.2f})"
+        return f"does not match {against} (cosine {cosine:.2f}, norm ratio {ratio:.2f})"
     return ""
 
 
@@ -190,9 +238,9 @@ def recompute(*, work_unit: WorkUnit) -> Tensors:
     graph = project_graph(project=project)
     x, y = shard_load(shard=work_unit.shard)
     window = slice(work_unit.offset, work_unit.offset + work_unit.count)
-    inputs = {graph.inputs[0].name: torch.from_numpy(x[window])}
-    targets = {graph.targets[0].name: torch.from_numpy(y[window])}
-    weights = version_weights(version=work_unit.version)
+    inputs = {graph.inputs[0].name: torch.from_numpy(x[window].copy())}
+    targets = {graph.targets[0].name: torch.from_numpy(y[window].copy())}
+    weights = version_wire_weights(version=work_unit.version)
     if project.task == "local_steps":
         return local_steps(
             graph,
@@ -206,26 +254,119 @@ def recompute(*, work_unit: WorkUnit) -> Tensors:
     return compute_gradients(graph, weights, inputs, targets).grads
 
 
+# --- replicas -------------------------------------------------------------------------------------
+
+
+def _quorum(*, work_unit: WorkUnit, result: Result) -> list[Result]:
+    """Once `min_quorum` results passed their own checks, compare them (as BOINC's check_set): the first
+    agreeing with a quorum is canonical, and each other result is valid if it agrees with the canonical one.
+    With no quorum agreeing, one more instance is wanted. Returns the results decided."""
+    waiting = results_awaiting_quorum(work_unit_ids=[work_unit.pk]).select_related("blob")
+    candidates = [result if r.pk == result.pk else r for r in waiting]
+    if len(candidates) < work_unit.min_quorum:
+        return []
+    project = work_unit.project
+    updates = {r.pk: _params(r, work_unit) for r in candidates}
+    canonical = _canonical(
+        project=project, candidates=candidates, updates=updates, quorum=work_unit.min_quorum
+    )
+    if canonical is None:
+        work_unit.record_disagreement()
+        work_unit.save(update_fields=["wanted", "target_results", "status"])
+        if work_unit.status == WorkUnit.Status.ERRORED:
+            # Nobody can tell which of them was right: no credit, but no penalty either.
+            results_abandon(work_unit_ids=[work_unit.pk], reason="no two results of this work unit agreed")
+        else:
+            transaction.on_commit(notify.work_available)
+        return []
+    reference = updates[canonical.pk]
+    # Volunteers in id order: every transaction that credits or penalises several takes their rows in the
+    # same order.
+    for candidate in sorted(candidates, key=lambda r: r.volunteer_id):
+        candidate.work_unit = work_unit
+        candidate.spot_checked = True
+        reason = ""
+        if candidate is not canonical:
+            reason = _disagreement(
+                project=project, update=updates[candidate.pk], reference=reference, against=REPLICA_REFERENCE
+            )
+        if reason:
+            _reject(result=candidate, reason=reason)
+        else:
+            _validate(result=candidate)
+    _settle(work_unit=work_unit, canonical=canonical)
+    return candidates
+
+
+def _canonical(
+    *, project: Project, candidates: list[Result], updates: dict[int, Tensors], quorum: int
+) -> Result | None:
+    """The first candidate that agrees with at least `quorum - 1` others (each pair compared once, the
+    earlier result as the reference), or None."""
+    agree: dict[tuple[int, int], bool] = {}
+    for i, first in enumerate(candidates):
+        for second in candidates[i + 1 :]:
+            agree[first.pk, second.pk] = agree[second.pk, first.pk] = not _disagreement(
+                project=project, update=updates[second.pk], reference=updates[first.pk], against=""
+            )
+    for candidate in candidates:
+        if 1 + sum(agree[candidate.pk, other.pk] for other in candidates if other is not candidate) >= quorum:
+            return candidate
+    return None
+
+
+def _judge_against_canonical(*, result: Result, update: Tensors) -> Result:
+    """A replica that arrived after its work unit was decided: credited if it agrees, never aggregated."""
+    work_unit = result.work_unit
+    canonical = work_unit.canonical_result
+    assert canonical is not None  # _lateness made it late otherwise
+    result.spot_checked = True
+    reason = _disagreement(
+        project=work_unit.project,
+        update=update,
+        reference=_params(canonical, work_unit),
+        against=CANONICAL_REFERENCE,
+    )
+    if reason:
+        _reject(result=result, reason=reason)
+    else:
+        _validate(result=result)
+    return result
+
+
+# --- verdicts -------------------------------------------------------------------------------------
+
+
 def _invalidate(*, result: Result, reason: str) -> None:
+    """Invalid: no credit, trust reset, and another instance of an open work unit is wanted."""
+    _reject(result=result, reason=reason)
+    if result.work_unit.is_open:
+        work_unit_fail(work_unit=result.work_unit)
+
+
+def _reject(*, result: Result, reason: str) -> None:
     result.validation, result.reason = Result.Validation.INVALID, reason[:200]
-    result.save(update_fields=["validation", "reason", "update_norm", "spot_checked"])
-    Volunteer.objects.filter(user=result.volunteer).update(
+    result.save(update_fields=["validation", "reason", "update_norm", "spot_checked", "checked"])
+    Volunteer.objects.filter(user_id=result.volunteer_id).update(
         consecutive_valid=0, results_invalid=F("results_invalid") + 1
     )
-    work_unit = result.work_unit
-    work_unit.record_failure()
-    work_unit.save(update_fields=["wanted", "error_results", "status"])
 
 
 def _validate(*, result: Result) -> None:
+    """Valid: credit (the server's FLOP count, never the client's) and one more step towards trust."""
     project = result.work_unit.project
     result.validation = Result.Validation.VALID
-    result.save(update_fields=["validation", "update_norm", "spot_checked"])
+    result.save(update_fields=["validation", "update_norm", "spot_checked", "checked"])
     flops = project.flops_per_sample * result.work_unit.count
     credit_grant(user=result.volunteer, result=result, flops=flops)
-    Volunteer.objects.filter(user=result.volunteer).update(consecutive_valid=F("consecutive_valid") + 1)
+    Volunteer.objects.filter(user_id=result.volunteer_id).update(consecutive_valid=F("consecutive_valid") + 1)
     _observe_device(result=result, flops=flops)
-    WorkUnit.objects.filter(pk=result.work_unit_id).update(status=WorkUnit.Status.VALIDATED)
+
+
+def _settle(*, work_unit: WorkUnit, canonical: Result) -> None:
+    """The work unit is done; `canonical` is the one result of it that training aggregates."""
+    work_unit.status, work_unit.canonical_result = WorkUnit.Status.VALIDATED, canonical
+    work_unit.save(update_fields=["status", "canonical_result"])
 
 
 def _observe_device(*, result: Result, flops: int) -> None:

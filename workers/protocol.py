@@ -85,7 +85,7 @@ def assign_message(result: Result) -> dict[str, Any]:
             "model_version": work_unit.version.number,
             "task": project.task,
             "graph_url": project.graph.url,
-            "weights_url": work_unit.version.weights.url,
+            "weights_url": work_unit.version.download.url,
             "shards": [
                 {"url": work_unit.shard.blob.url, "offset": work_unit.offset, "count": work_unit.count}
             ],

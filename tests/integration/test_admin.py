@@ -11,6 +11,7 @@ from django.contrib.auth.models import Permission, User
 from django.core.files.uploadedfile import SimpleUploadedFile
 from django.test import Client
 
+from projects import lifecycle
 from projects.datasets import dataset_create_from_npz
 from projects.models import Dataset, DatasetShard, Metric, ModelVersion, Project
 
@@ -41,6 +42,7 @@ def project_form(**overrides: Any) -> dict[str, Any]:
         "max_versions": "500",
         "priority": "3",
         "codec": "int8",
+        "weights_codec": "fp32",
         "aggregator": "mean",
         "local_learning_rate": "0.05",
         "local_momentum": "0.9",
@@ -49,6 +51,7 @@ def project_form(**overrides: Any) -> dict[str, Any]:
         "staleness_bound": "4",
         "target_seconds": "20",
         "spot_check_rate": "0.1",
+        "spot_check_by": "server",
         "trust_threshold": "5",
         "_save": "Save",
     }
@@ -205,3 +208,23 @@ def test_superuser_sees_everything(client: Client, superuser: User, mlp_project:
     ]:
         assert client.get(url).status_code == 200, url
     assert "MLP" in client.get(CHANGELIST_URL).content.decode()
+
+
+def test_spot_checks_by_replica_are_a_training_setting(
+    client: Client, superuser: User, mlp_project: Project
+) -> None:
+    client.force_login(superuser)
+    page = client.get(ADD_URL).content.decode()
+    assert 'name="spot_check_by"' in page and 'value="replica"' in page
+    change = client.get(f"/admin/projects/project/{mlp_project.pk}/change/").content.decode()
+    assert 'name="spot_check_by"' in change
+
+    response = client.post(ADD_URL, project_form(spot_check_by="replica", dataset_file=npz_upload()))
+
+    assert response.status_code == 302, response.content.decode()[:3000]
+    assert Project.objects.get(name="Digits MLP").spot_check_by == Project.SpotCheckBy.REPLICA
+    lifecycle.work_units_feed(project_id=mlp_project.pk)
+    work_unit = mlp_project.work_units.first()
+    assert work_unit is not None
+    page = client.get(f"/admin/projects/workunit/{work_unit.pk}/change/").content.decode()
+    assert "Canonical result" in page and "Min quorum" in page

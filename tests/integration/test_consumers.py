@@ -157,3 +157,47 @@ def _pause(project: Project) -> None:
     from projects.services import project_pause
 
     project_pause(project=project)
+
+
+def test_a_replica_is_pushed_to_a_waiting_volunteer_and_both_hear_the_verdict_once_they_agree(
+    mlp_project: Project, volunteer_user: User, other_volunteer: User
+) -> None:
+    def only_one_unit_later() -> WorkUnit:
+        Project.objects.filter(pk=mlp_project.pk).update(spot_check_by=Project.SpotCheckBy.REPLICA)
+        first, *rest = WorkUnit.objects.filter(project=mlp_project).order_by("pk")
+        WorkUnit.objects.filter(pk__in=[w.pk for w in rest]).update(status=WorkUnit.Status.CANCELLED)
+        WorkUnit.objects.filter(pk=first.pk).update(wanted=0)  # nothing to send yet
+        return first
+
+    async def result(communicator: WebsocketCommunicator, unit: dict[str, Any]) -> dict[str, Any]:
+        work_unit = await database_sync_to_async(
+            WorkUnit.objects.select_related("project", "version", "shard__blob").get
+        )(pk=unit["id"])
+        meta = {"type": "result", "work_unit": unit["id"], "model_version": unit["model_version"],
+                "samples": 50, "loss": 2.3, "timings": {"download_ms": 1, "compute_ms": 2}}
+        await communicator.send_to(text_data=json.dumps(meta))
+        await communicator.send_to(bytes_data=await database_sync_to_async(honest_update)(work_unit))
+        return json.loads(await communicator.receive_from(timeout=10))
+
+    async def scenario() -> None:
+        unit = await database_sync_to_async(only_one_unit_later)()
+        checked, replica = await greet(volunteer_user), await greet(other_volunteer)
+        assert (await send(replica, {"type": "ready"}))["type"] == "idle"
+        await database_sync_to_async(WorkUnit.objects.filter(pk=unit.pk).update)(wanted=1)
+        sent = await send(checked, {"type": "ready"})  # untrusted: its work unit is replicated
+        pushed = json.loads(await replica.receive_from(timeout=10))
+        assert pushed["type"] == "assign" and pushed["work_unit"]["id"] == sent["work_unit"]["id"] == unit.pk
+
+        ack = await result(checked, sent["work_unit"])
+        assert (ack["type"], ack["accepted"], ack["status"]) == ("ack", True, "pending")
+        assert await checked.receive_nothing(timeout=0.5)  # no verdict before the replica is in
+        ack = await result(replica, pushed["work_unit"])
+        assert (ack["status"], ack["credit_flops"]) == ("valid", 50 * mlp_project.flops_per_sample)
+        for communicator in (checked, replica):
+            credit = json.loads(await communicator.receive_from(timeout=10))
+            assert (credit["type"], credit["status"]) == ("credit", "valid"), credit
+            assert credit["credit_flops"] == 50 * mlp_project.flops_per_sample
+        await checked.disconnect()
+        await replica.disconnect()
+
+    async_to_sync(scenario)()

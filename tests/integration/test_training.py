@@ -11,9 +11,10 @@ from django.utils import timezone
 
 from projects import training
 from projects.models import ModelVersion, Project, Result, WorkUnit
-from projects.services import version_evaluate, version_weights
+from projects.services import version_evaluate, version_weights, version_wire_weights
 from projects.validation import recompute
 from tests.integration.volunteer import assign, receive
+from workers import protocol
 from workers.models import CreditEntry, Volunteer
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -153,3 +154,31 @@ def test_project_create_checks_the_model_fits_the_dataset(researcher: User, digi
     with pytest.raises(ProjectError, match="expects samples of shape"):
         project_create(owner=researcher, name="bad", dataset=digits_dataset, preset="mlp")
     assert not Project.objects.filter(name="bad").exists()
+
+
+@pytest.mark.parametrize("codec", ["fp16", "int8"])
+def test_compressed_weights_go_down_and_the_master_copy_stays_fp32(
+    mlp_project: Project, volunteer_user: User, codec: str
+) -> None:
+    """weights_codec: volunteers download (and spot checks recompute from) the compressed copy of each new
+    version, while the server keeps stepping its fp32 weights."""
+    project = fp32(mlp_project, weights_codec=codec, round_samples=1)
+    result = assign(volunteer_user)
+    assert receive(volunteer_user, result).status == "valid"
+    version = ModelVersion.objects.get(project=project, number=1)
+
+    wire = version_wire_weights(version=version)
+    master = version_weights(version=version)
+    assert version.wire_weights is not None and version.download == version.wire_weights
+    assert version.wire_weights.size < version.weights.size / (1.9 if codec == "fp16" else 3.5)
+    for name, value in master.items():
+        assert value.dtype == wire[name].dtype == torch.float32
+        bound = value.abs().max() / (2000 if codec == "fp16" else 250)
+        assert 0 < (wire[name] - value).abs().max() <= bound
+    sent = protocol.assign_message(assign(volunteer_user))["work_unit"]
+    assert sent["weights_url"] == version.wire_weights.url
+
+
+def test_fp32_projects_send_the_master_weights(mlp_project: Project) -> None:
+    version = mlp_project.current_version()
+    assert version.wire_weights is None and version.download == version.weights

@@ -2,35 +2,21 @@
 
 from __future__ import annotations
 
-import math
+import threading
 
 import pytest
 import torch
 from django.contrib.auth.models import User
+from django.db import connection, transaction
 
-from engine import codecs
+from projects import validation
+from projects.blobs import blob_put
 from projects.models import Project, Result, WorkUnit
 from projects.validation import recompute
-from tests.integration.volunteer import assign, honest_update, judged, receive
+from tests.integration.volunteer import assign, honest_update, judged, receive, tampered
 from workers.models import CreditEntry, Volunteer
 
 pytestmark = pytest.mark.django_db(transaction=True)
-
-
-def tampered(work_unit: WorkUnit, how: str) -> bytes:
-    update = recompute(work_unit=work_unit)
-    name = next(iter(update))
-    if how == "nan":
-        update[name][0] = math.nan
-    elif how == "shape":
-        update[name] = torch.zeros(3)
-    elif how == "sign_flip":
-        update = {k: -v for k, v in update.items()}
-    elif how == "scaled":
-        update = {k: 100 * v for k, v in update.items()}
-    elif how == "random":
-        update = {k: torch.randn_like(v) * v.norm() / v.numel() ** 0.5 for k, v in update.items()}
-    return codecs.encode(update, codec=work_unit.project.codec)
 
 
 def test_an_untrusted_volunteers_honest_update_is_spot_checked_and_credited(
@@ -41,6 +27,7 @@ def test_an_untrusted_volunteers_honest_update_is_spot_checked_and_credited(
     assert outcome.status == "valid", outcome.reason
     checked = judged(result)
     assert checked.spot_checked and checked.is_valid
+    assert checked.work_unit.canonical_result_id == result.pk  # the one result training aggregates
     assert outcome.credit_flops == mlp_project.flops_per_sample * result.work_unit.count
     volunteer = Volunteer.objects.get(user=volunteer_user)
     assert (volunteer.total_flops, volunteer.consecutive_valid) == (outcome.credit_flops, 1)
@@ -110,26 +97,6 @@ def test_every_codec_is_accepted(mlp_project: Project, volunteer_user: User, cod
     assert receive(volunteer_user, result).status == "valid"
 
 
-@pytest.fixture
-def cnn_project(researcher: User):  # type: ignore[no-untyped-def]
-    from projects.datasets import dataset_create_from_npz
-    from projects.services import project_create, project_start
-    from tests.conftest import mnist_arrays, npz_bytes
-
-    x, y = mnist_arrays(per_class=20)
-    dataset = dataset_create_from_npz(
-        owner=researcher, name="digit images", data=npz_bytes(x=x.reshape(-1, 1, 28, 28), y=y)
-    )
-    project = project_create(
-        owner=researcher,
-        name="CNN",
-        dataset=dataset,
-        preset="cnn",
-        settings={"batch_size": 32, "round_samples": 64, "codec": "fp32"},
-    )
-    return project_start(project=project)
-
-
 @pytest.mark.parametrize(
     ("how", "status"), [("honest", "valid"), ("sign_flip", "invalid"), ("scaled", "invalid")]
 )
@@ -153,8 +120,48 @@ def test_identical_honest_answers_to_the_same_slice_are_not_replays(
     # The same slice of the same version, sent again (as when a round wraps around a small dataset).
     twin = WorkUnit.objects.get(pk=first.work_unit_id)
     twin.pk, twin.status, twin.wanted, twin.total_results = None, WorkUnit.Status.OPEN, 1, 0
+    twin.canonical_result = None
     twin.save()
     WorkUnit.objects.exclude(pk=twin.pk).update(wanted=0)
     second = assign(other_volunteer)
     assert second.work_unit_id == twin.pk
     assert receive(other_volunteer, second, payload).status == "valid"
+
+
+def test_a_spot_check_does_not_lock_the_project(
+    mlp_project: Project, volunteer_user: User, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Validations of one project must run side by side (a round's results arrive together): while one
+    recomputes an update, the project row, which every other validation and the round's step need, is free."""
+    result = assign(volunteer_user)
+    Result.objects.filter(pk=result.pk).update(
+        status=Result.Status.RECEIVED,
+        samples=result.work_unit.count,
+        loss=1.0,
+        blob=blob_put(data=honest_update(result.work_unit)),
+    )
+    inside, release = threading.Event(), threading.Event()
+
+    def slow_recompute(*, work_unit: WorkUnit) -> dict[str, torch.Tensor]:
+        inside.set()
+        release.wait(10)
+        return recompute(work_unit=work_unit)
+
+    monkeypatch.setattr(validation, "recompute", slow_recompute)
+
+    def validate() -> None:
+        try:
+            validation.result_validate(result_id=result.pk)
+        finally:
+            connection.close()
+
+    thread = threading.Thread(target=validate)
+    thread.start()
+    try:
+        assert inside.wait(10)
+        with transaction.atomic():
+            Project.objects.select_for_update(nowait=True).get(pk=mlp_project.pk)  # raises if locked
+    finally:
+        release.set()
+        thread.join(10)
+    assert judged(result).is_valid
