@@ -83,7 +83,14 @@ DATABASES = {
         conn_max_age=int(os.environ.get("DATABASE_CONN_MAX_AGE", "0")),
     )
 }
-if DATABASES["default"]["ENGINE"].endswith("sqlite3"):
+if DATABASES["default"]["ENGINE"].endswith("postgresql") and env_bool("DATABASE_POOL", True):
+    # daphne runs every consumer's queries in short calls, and Celery a task per result: without a pool
+    # each one opened (and Postgres forked) a fresh connection. Django's pool needs CONN_MAX_AGE 0.
+    DATABASES["default"]["CONN_MAX_AGE"] = 0
+    DATABASES["default"]["OPTIONS"] = {
+        "pool": {"min_size": 1, "max_size": int(os.environ.get("DATABASE_POOL_SIZE", 8)), "timeout": 30}
+    }
+elif DATABASES["default"]["ENGINE"].endswith("sqlite3"):
     # Several processes (daphne, worker, beat) share one file: wait for locks instead of failing.
     DATABASES["default"]["OPTIONS"] = {"timeout": 30, "transaction_mode": "IMMEDIATE"}
     Path(DATABASES["default"]["NAME"]).parent.mkdir(parents=True, exist_ok=True)
@@ -133,6 +140,9 @@ CELERY_TASK_ACKS_LATE = True
 CELERY_TASK_REJECT_ON_WORKER_LOST = True
 CELERY_WORKER_PREFETCH_MULTIPLIER = 1
 CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
+# Validations (which may recompute a whole work unit) get their own queue, so a backlog of them never
+# delays the short tasks that close rounds and feed the next one: workers take from both queues in turn.
+CELERY_TASK_ROUTES = {"projects.tasks.validate_result": {"queue": "validation"}}
 CELERY_BEAT_SCHEDULE = {
     "feed-work-units": {"task": "projects.tasks.feed_work_units", "schedule": 5.0},
     "transition": {"task": "projects.tasks.transition", "schedule": 5.0},

@@ -38,7 +38,9 @@ case "$role" in
         ;;
     worker)
         wait_for_db
-        exec celery -A crowdtrain worker --concurrency "${CELERY_CONCURRENCY:-1}" -l "${CELERY_LOG_LEVEL:-info}"
+        # Both queues (validations have their own, see CELERY_TASK_ROUTES); solo: see runplatform's
+        # worker_args. Scale with more worker containers.
+        exec celery -A crowdtrain worker -Q celery,validation --pool solo -l "${CELERY_LOG_LEVEL:-info}"
         ;;
     beat)
         exec celery -A crowdtrain beat -l "${CELERY_LOG_LEVEL:-info}" -s /app/var/beat/celerybeat-schedule

@@ -16,6 +16,7 @@ from __future__ import annotations
 import io
 import zipfile
 from dataclasses import dataclass
+from functools import lru_cache
 
 import numpy as np
 from django.conf import settings
@@ -25,7 +26,7 @@ from safetensors.numpy import load as safetensors_load
 from safetensors.numpy import save as safetensors_save
 
 from projects.blobs import blob_put
-from projects.models import Dataset, DatasetShard
+from projects.models import Blob, Dataset, DatasetShard
 
 ALLOWED_KEYS = ("x", "y", "x_test", "y_test")
 X_DTYPES = (np.dtype(np.float32), np.dtype(np.float64), np.dtype(np.uint8))
@@ -95,7 +96,15 @@ def dataset_load_split(*, dataset: Dataset, split: str) -> tuple[np.ndarray, np.
 
 
 def shard_load(*, shard: DatasetShard) -> tuple[np.ndarray, np.ndarray]:
-    tensors = safetensors_load(shard.blob.read())
+    """A shard's arrays, read-only: they are cached, since every spot check of a work unit needs its shard."""
+    return _shard_arrays(shard.blob)
+
+
+@lru_cache(maxsize=8)
+def _shard_arrays(blob: Blob) -> tuple[np.ndarray, np.ndarray]:
+    tensors = safetensors_load(blob.read())
+    for array in tensors.values():
+        array.flags.writeable = False
     return tensors["x"], tensors["y"]
 
 

@@ -3,7 +3,6 @@ from django.urls import path
 from projects import views
 
 urlpatterns = [
-    path("blobs/<str:sha256>", views.blob_detail, name="blob"),
     path("api/projects/", views.ProjectListApi.as_view(), name="api-projects"),
     path(
         "api/projects/<int:project_id>/metrics/",

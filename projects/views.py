@@ -1,50 +1,20 @@
-"""HTTP endpoints of the projects app: content-addressed blobs and a small read-only JSON API."""
+"""HTTP endpoints of the projects app: a small read-only JSON API (blobs are served by blob_server.py)."""
 
 from __future__ import annotations
 
-import re
-
-from django.http import FileResponse, Http404, HttpRequest, HttpResponseBase, HttpResponseNotModified
 from django.shortcuts import get_object_or_404
-from django.views.decorators.http import require_safe
 from rest_framework import serializers
 from rest_framework.permissions import AllowAny
 from rest_framework.request import Request
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
-from projects.models import Blob
 from projects.selectors import (
     project_latest_metrics,
     project_list_public,
     project_list_running,
     project_metric_series,
 )
-
-SHA256 = re.compile(r"[0-9a-f]{64}")
-IMMUTABLE = "public, max-age=31536000, immutable"
-
-
-@require_safe
-def blob_detail(request: HttpRequest, sha256: str) -> HttpResponseBase:
-    """Serve a blob's bytes; they never change, so browsers and proxies may keep them forever."""
-    if not SHA256.fullmatch(sha256):
-        raise Http404("Malformed blob hash.")
-    blob = get_object_or_404(Blob, sha256=sha256)
-    etag = f'"{sha256}"'
-    if etag in request.headers.get("If-None-Match", ""):
-        return _cacheable(HttpResponseNotModified(), etag)
-    try:
-        handle = blob.path.open("rb")
-    except FileNotFoundError as exc:
-        raise Http404("Blob content is missing.") from exc
-    return _cacheable(FileResponse(handle, content_type=blob.content_type), etag)
-
-
-def _cacheable(response: HttpResponseBase, etag: str) -> HttpResponseBase:
-    response["Cache-Control"] = IMMUTABLE
-    response["ETag"] = etag
-    return response
 
 
 class ProjectListApi(APIView):

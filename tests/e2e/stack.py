@@ -13,6 +13,8 @@ from pathlib import Path
 
 import psycopg
 
+from crowdtrain.management.commands.runplatform import worker_args
+
 ROOT = Path(__file__).resolve().parents[2]
 PYTHON = sys.executable
 
@@ -88,7 +90,7 @@ class Stack:
             str(129 * 2**20),
             "crowdtrain.asgi:application",
         )
-        self._spawn("worker", "-m", "celery", "-A", "crowdtrain", "worker", "--pool", "solo", "-l", "info")
+        self._spawn("worker", "-m", "celery", "-A", "crowdtrain", *worker_args(), "-l", "info")
         self._spawn(
             "beat",
             "-m",

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import json
 import re
 from typing import Any
@@ -13,7 +12,6 @@ from django.test import Client
 from django.utils import timezone
 
 from frontend.templatetags.crowdtrain import format_flops
-from projects.blobs import blob_put
 from projects.models import Metric, Project, Result, WorkUnit
 from workers.models import CreditEntry, Team, Volunteer
 from workers.services import credit_grant
@@ -192,46 +190,6 @@ def test_dashboard_totals_equal_the_ledger(
 def test_admin_index_links_to_the_dashboard(client: Client, researcher: User) -> None:
     client.force_login(researcher)
     assert 'href="/admin/dashboard/"' in client.get("/admin/").content.decode()
-
-
-# --- blobs ----------------------------------------------------------------------------------------
-
-
-def test_blob_is_served_immutable_with_etag(client: Client, db: None) -> None:
-    blob = blob_put(data=b"weights!" * 100, content_type="application/octet-stream")
-    response = client.get(f"/blobs/{blob.sha256}")
-
-    assert response.status_code == 200
-    assert b"".join(response.streaming_content) == b"weights!" * 100  # type: ignore[attr-defined]
-    assert response["Cache-Control"] == "public, max-age=31536000, immutable"
-    assert response["ETag"] == f'"{blob.sha256}"'
-    assert response["Content-Type"] == "application/octet-stream"
-
-    again = client.get(f"/blobs/{blob.sha256}", HTTP_IF_NONE_MATCH=f'"{blob.sha256}"')
-    assert again.status_code == 304 and again["ETag"] == f'"{blob.sha256}"'
-    assert client.head(f"/blobs/{blob.sha256}").status_code == 200
-    assert client.post(f"/blobs/{blob.sha256}").status_code == 405
-
-
-@pytest.mark.parametrize(
-    "name",
-    [
-        hashlib.sha256(b"never stored").hexdigest(),
-        "abc",
-        "A" * 64,
-        "g" * 64,
-        "0" * 65,
-        "..%2F..%2Fsettings.py",
-    ],
-)
-def test_unknown_or_malformed_blob_is_404(client: Client, db: None, name: str) -> None:
-    assert client.get(f"/blobs/{name}").status_code == 404
-
-
-def test_blob_row_without_file_is_404(client: Client, db: None) -> None:
-    blob = blob_put(data=b"soon gone")
-    blob.path.unlink()
-    assert client.get(f"/blobs/{blob.sha256}").status_code == 404
 
 
 # --- JSON API -------------------------------------------------------------------------------------

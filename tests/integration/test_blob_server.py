@@ -1,0 +1,76 @@
+"""projects/blob_server.py through the real ASGI application (the same one daphne runs)."""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any
+
+import pytest
+from asgiref.sync import async_to_sync
+from channels.testing import HttpCommunicator
+
+from crowdtrain.asgi import application
+from projects.blobs import blob_put
+
+pytestmark = pytest.mark.django_db(transaction=True)  # the lookup runs on a pool thread's own connection
+
+
+def fetch(path: str, method: str = "GET", headers: list[tuple[bytes, bytes]] | None = None) -> dict[str, Any]:
+    response = async_to_sync(HttpCommunicator(application, method, path, headers=headers).get_response)()
+    response["headers"] = dict(response["headers"])
+    return response
+
+
+def test_blob_is_served_immutable_with_etag() -> None:
+    data = b"weights!" * 200_000  # 1.6 MB: more than one chunk
+    blob = blob_put(data=data, content_type="application/octet-stream")
+    response = fetch(f"/blobs/{blob.sha256}")
+
+    assert response["status"] == 200 and response["body"] == data
+    assert response["headers"][b"cache-control"] == b"public, max-age=31536000, immutable"
+    assert response["headers"][b"etag"] == f'"{blob.sha256}"'.encode()
+    assert response["headers"][b"content-type"] == b"application/octet-stream"
+    assert response["headers"][b"content-length"] == str(len(data)).encode()
+
+
+def test_graphs_keep_their_content_type() -> None:
+    blob = blob_put(data=b'{"nodes": []}', content_type="application/json")
+    assert fetch(f"/blobs/{blob.sha256}")["headers"][b"content-type"] == b"application/json"
+
+
+def test_revalidation_head_and_wrong_methods() -> None:
+    blob = blob_put(data=b"weights")
+    etag = f'"{blob.sha256}"'.encode()
+
+    again = fetch(f"/blobs/{blob.sha256}", headers=[(b"if-none-match", etag)])
+    assert again["status"] == 304 and again["body"] == b"" and again["headers"][b"etag"] == etag
+    head = fetch(f"/blobs/{blob.sha256}", method="HEAD")
+    assert head["status"] == 200 and head["body"] == b"" and head["headers"][b"content-length"] == b"7"
+    post = fetch(f"/blobs/{blob.sha256}", method="POST")
+    assert post["status"] == 405 and post["headers"][b"allow"] == b"GET, HEAD"
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        hashlib.sha256(b"never stored").hexdigest(),
+        "abc",
+        "A" * 64,
+        "g" * 64,
+        "0" * 65,
+        "..%2F..%2Fsettings.py",
+    ],
+)
+def test_unknown_or_malformed_blob_is_404(name: str) -> None:
+    assert fetch(f"/blobs/{name}")["status"] == 404
+
+
+def test_blob_row_without_file_is_404() -> None:
+    blob = blob_put(data=b"soon gone")
+    blob.path.unlink()
+    assert fetch(f"/blobs/{blob.sha256}")["status"] == 404
+
+
+def test_other_paths_still_reach_django() -> None:
+    response = fetch("/api/projects/", headers=[(b"host", b"localhost")])
+    assert response["status"] == 200 and response["body"].startswith(b"[")
