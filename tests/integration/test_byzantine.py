@@ -34,7 +34,7 @@ pytestmark = pytest.mark.slow
 DATABASE = os.environ.get("BYZANTINE_STACK_DATABASE", "crowdtrain_byzantine")
 REDIS_DB = int(os.environ.get("BYZANTINE_STACK_REDIS_DB", "12"))
 PROJECT = "MNIST MLP (demo)"
-VERSIONS = 5  # the stack evaluates every 5th version (CROWDTRAIN_EVAL_EVERY), so the last one is evaluated
+VERSIONS = 15  # the stack evaluates every 5th version (CROWDTRAIN_EVAL_EVERY), so the last one is evaluated
 VOLUNTEERS = 10
 ATTACKERS = {"sim-byz-flip": "sign_flip", "sim-byz-scaled": "scaled"}
 # 10+ work units of 32 samples per version: with fewer work units than volunteers, whoever the server
