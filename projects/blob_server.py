@@ -14,9 +14,7 @@ import re
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from asgiref.sync import sync_to_async
-from django.db import close_old_connections
-
+from crowdtrain.db import database_sync_to_async
 from projects.models import Blob
 
 Scope = dict[str, Any]
@@ -59,13 +57,9 @@ async def serve_blob(scope: Scope, send: Send) -> None:
     await _stream(send, blob, cache, body=scope["method"] == "GET")
 
 
-@sync_to_async(thread_sensitive=False)
+@database_sync_to_async
 def _blob(sha256: str) -> Blob | None:
-    close_old_connections()
-    try:
-        return Blob.objects.filter(sha256=sha256).first()
-    finally:
-        close_old_connections()
+    return Blob.objects.filter(sha256=sha256).first()
 
 
 async def _stream(send: Send, blob: Blob, headers: list[tuple[bytes, bytes]], *, body: bool) -> None:

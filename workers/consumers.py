@@ -7,9 +7,9 @@ import json
 import random
 from typing import Any
 
-from channels.db import DatabaseSyncToAsync
 from channels.generic.websocket import AsyncWebsocketConsumer
 
+from crowdtrain.db import database_sync_to_async
 from projects import notify
 from projects.lifecycle import (
     MAX_IN_FLIGHT,
@@ -25,13 +25,6 @@ from workers.services import device_disconnect, device_register
 
 UNAUTHENTICATED = 4401
 
-
-def database_sync_to_async(func: Any) -> Any:
-    """Run a service in daphne's thread pool. Channels' default runs every connection's queries in ONE
-    thread, so when a round closes, sixteen volunteers' assignments and uploads queued behind each other's
-    database round trips (1.3 s to hand out a round, measured); the services lock the rows they change, so
-    they are safe to run side by side."""
-    return DatabaseSyncToAsync(func, thread_sensitive=False)
 
 
 class VolunteerConsumer(AsyncWebsocketConsumer):
