@@ -140,9 +140,12 @@ CELERY_TASK_ACKS_LATE = True
 CELERY_TASK_REJECT_ON_WORKER_LOST = True
 CELERY_WORKER_PREFETCH_MULTIPLIER = 1
 CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
-# Validations (which may recompute a whole work unit) get their own queue, so a backlog of them never
-# delays the short tasks that close rounds and feed the next one: workers take from both queues in turn.
-CELERY_TASK_ROUTES = {"projects.tasks.validate_result": {"queue": "validation"}}
+# Validations and the spot checks' recomputations get their own queue, so a backlog of them never delays
+# the short tasks that close rounds and feed the next one: workers take from both queues in turn.
+CELERY_TASK_ROUTES = {
+    "projects.tasks.validate_result": {"queue": "validation"},
+    "projects.tasks.compute_reference": {"queue": "validation"},
+}
 CELERY_BEAT_SCHEDULE = {
     "feed-work-units": {"task": "projects.tasks.feed_work_units", "schedule": 5.0},
     "transition": {"task": "projects.tasks.transition", "schedule": 5.0},
@@ -164,6 +167,9 @@ CROWDTRAIN = {
     "WORK_UNIT_BUFFER": int(os.environ.get("CROWDTRAIN_WORK_UNIT_BUFFER", 8)),
     "WORK_UNIT_DEADLINE_SECONDS": int(os.environ.get("CROWDTRAIN_WU_DEADLINE", 120)),
     "EVAL_EVERY_VERSIONS": int(os.environ.get("CROWDTRAIN_EVAL_EVERY", 5)),
+    # Spot-checked work units at least this big (FLOPs) are recomputed by the server as soon as they are
+    # sent; below it, recomputing at validation (milliseconds) costs less than a task to precompute it.
+    "REFERENCE_MIN_FLOPS": int(os.environ.get("CROWDTRAIN_REFERENCE_MIN_FLOPS", 10**8)),
 }
 
 if PRODUCTION:

@@ -1,7 +1,8 @@
 #!/bin/sh
 # Container entry point. Roles:
 #   web      wait for the database, migrate, collectstatic, then serve HTTP + WebSockets with daphne
-#   worker   a Celery worker (aggregation, evaluation, feeding work units)
+#   worker   a Celery worker (aggregation, evaluation, feeding work units; validations too)
+#   validator a Celery worker for validations and spot-check recomputations only
 #   beat     the Celery beat scheduler
 #   migrate  apply database migrations and exit
 # Anything else is run as a command, e.g. `docker compose run --rm web manage.py createsuperuser`.
@@ -41,6 +42,12 @@ case "$role" in
         # Both queues (validations have their own, see CELERY_TASK_ROUTES); solo: see runplatform's
         # worker_args. Scale with more worker containers.
         exec celery -A crowdtrain worker -Q celery,validation --pool solo -l "${CELERY_LOG_LEVEL:-info}"
+        ;;
+    validator)
+        wait_for_db
+        # Validations and the spot checks' recomputations only (runplatform's validator_args): a round's
+        # results arrive together. Scale with `docker compose up --scale validator=N`.
+        exec celery -A crowdtrain worker -Q validation --pool solo -l "${CELERY_LOG_LEVEL:-info}"
         ;;
     beat)
         exec celery -A crowdtrain beat -l "${CELERY_LOG_LEVEL:-info}" -s /app/var/beat/celerybeat-schedule

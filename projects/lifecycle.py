@@ -18,6 +18,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 from datetime import timedelta
+from functools import partial
 
 from django.conf import settings
 from django.contrib.auth.models import User
@@ -118,20 +119,32 @@ def work_unit_assign(*, user: User, device: Device | None = None) -> Result | No
             )
         work_unit.wanted -= 1
         work_unit.total_results += 1
-        if _needs_replica(work_unit=work_unit, user=user):
-            work_unit.replicate()
-            transaction.on_commit(notify.work_available)  # the replica is for someone else
-        work_unit.save(update_fields=["wanted", "total_results", "count", "target_results", "min_quorum"])
+        _plan_spot_check(work_unit=work_unit, user=user)
+        work_unit.save(
+            update_fields=["wanted", "total_results", "count", "target_results", "min_quorum", "spot_check"]
+        )
         deadline = timezone.now() + timedelta(seconds=settings.CROWDTRAIN["WORK_UNIT_DEADLINE_SECONDS"])
         return Result.objects.create(work_unit=work_unit, volunteer=user, device=device, deadline=deadline)
 
 
-def _needs_replica(*, work_unit: WorkUnit, user: User) -> bool:
-    """Spot check by replication: the volunteer is not trusted yet, or a trusted one drew a check. Decided
-    once per work unit; the scheduler never gives the replica to a volunteer holding an instance."""
+def _plan_spot_check(*, work_unit: WorkUnit, user: User) -> None:
+    """Decided once per work unit, when an instance is sent. By replica: one more instance, which the
+    scheduler never gives to a volunteer holding one. By the server: it computes the slice's update now,
+    while the volunteer does, so that validating the result is only a comparison."""
     project = work_unit.project
-    if project.spot_check_by != Project.SpotCheckBy.REPLICA or work_unit.target_results != 1:
-        return False
+    if project.spot_check_by == Project.SpotCheckBy.REPLICA:
+        if work_unit.target_results == 1 and _check_drawn(project=project, user=user):
+            work_unit.replicate()
+            transaction.on_commit(notify.work_available)  # the replica is for someone else
+    elif not work_unit.spot_check and _check_drawn(project=project, user=user):
+        work_unit.spot_check = True
+        if project.flops_per_sample * work_unit.count >= settings.CROWDTRAIN["REFERENCE_MIN_FLOPS"]:
+            transaction.on_commit(partial(notify.reference_wanted, work_unit_id=work_unit.pk))
+
+
+def _check_drawn(*, project: Project, user: User) -> bool:
+    """BOINC's adaptive replication: every result of a volunteer not trusted yet is checked, and a
+    `spot_check_rate` share of a trusted one's."""
     trusted = volunteer_ensure(user=user).is_trusted(threshold=project.trust_threshold)
     return not trusted or random.random() < project.spot_check_rate
 

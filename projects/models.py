@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from django.conf import settings
@@ -164,6 +165,17 @@ class Project(models.Model):
     def task(self) -> str:
         return "local_steps" if self.mode == self.Mode.AVERAGING else "gradient"
 
+    @property
+    def task_recipe(self) -> str:
+        """Everything besides the slice and the weights that an honest update depends on: a stored
+        reference computed under other settings (changed mid-round) is not this update's reference."""
+        recipe: dict[str, object] = {"task": self.task}
+        if self.task == "local_steps":
+            recipe.update(
+                batch=self.local_batch_size, lr=self.local_learning_rate, momentum=self.local_momentum
+            )
+        return json.dumps(recipe, sort_keys=True)
+
     def current_version(self) -> ModelVersion:
         return self.versions.order_by("-number").first()  # type: ignore[return-value]
 
@@ -206,7 +218,8 @@ class WorkUnit(models.Model):
 
     Like BOINC's, it wants `target_results` successful results, of which `min_quorum` must agree before
     one of them becomes `canonical_result`: the only one aggregated. Both are 1 unless the work unit is
-    spot-checked by replication (Project.spot_check_by "replica"), which raises them to 2.
+    spot-checked by replication (Project.spot_check_by "replica"), which raises them to 2. Spot checks by
+    the server instead set `spot_check`, and `reference` holds the server's update once computed.
     """
 
     class Status(models.TextChoices):
@@ -230,6 +243,10 @@ class WorkUnit(models.Model):
     canonical_result = models.OneToOneField(
         "Result", on_delete=models.SET_NULL, null=True, blank=True, related_name="canonical_for"
     )
+    # Spot check by the server (Project.spot_check_by "server"), decided when an instance is sent; the
+    # server's own update for the slice is computed while the volunteer computes (validation.py).
+    spot_check = models.BooleanField(default=False)
+    reference = models.ForeignKey(Blob, on_delete=models.PROTECT, related_name="+", null=True, blank=True)
     max_error_results = models.PositiveSmallIntegerField(default=3)
     max_total_results = models.PositiveSmallIntegerField(default=6)
     error_results = models.PositiveSmallIntegerField(default=0)

@@ -31,6 +31,12 @@ def result_received(*, result_id: int) -> None:
     tasks.validate_result.delay(result_id)
 
 
+def reference_wanted(*, work_unit_id: int) -> None:
+    from projects import tasks
+
+    tasks.compute_reference.delay(work_unit_id)
+
+
 def result_decided(*, result_id: int) -> None:
     """Tell the volunteer how its result was judged; valid results may complete a round."""
     from projects import tasks, training
@@ -61,10 +67,11 @@ def results_decided(*, result_ids: list[int]) -> None:
         result_decided(result_id=result_id)
 
 
-def version_published(*, project_id: int, version_id: int, number: int) -> None:
+def version_published(*, version_id: int, number: int) -> None:
+    """The step fed the next round in its transaction: volunteers may ask for it."""
     from projects import tasks
 
-    tasks.feed_project.delay(project_id)
+    work_available()
     if number % settings.CROWDTRAIN["EVAL_EVERY_VERSIONS"] == 0:
         tasks.evaluate_version.delay(version_id)
 

@@ -43,6 +43,11 @@ def validate_result(result_id: int) -> str:
 
 
 @shared_task
+def compute_reference(work_unit_id: int) -> bool:
+    return validation.work_unit_compute_reference(work_unit_id=work_unit_id)
+
+
+@shared_task
 def project_step(project_id: int) -> int | None:
     version = training.project_step(project_id=project_id)
     return version.number if version else None

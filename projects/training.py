@@ -20,7 +20,7 @@ from django.utils import timezone
 
 from engine import aggregate, codecs
 from projects import notify
-from projects.lifecycle import work_units_cancel
+from projects.lifecycle import work_units_cancel, work_units_feed
 from projects.models import ModelVersion, Project, Result, WorkUnit
 from projects.services import project_graph, version_publish, version_weights
 
@@ -41,9 +41,9 @@ def project_step(*, project_id: int, force: bool = False) -> ModelVersion | None
         if version.number >= project.max_versions:
             project.status = Project.Status.FINISHED
             project.save(update_fields=["status"])
-    transaction.on_commit(
-        lambda: notify.version_published(project_id=project_id, version_id=version.pk, number=version.number)
-    )
+        # The next round's work now, not in a task of its own: volunteers are waiting for it.
+        work_units_feed(project_id=project_id)
+    transaction.on_commit(lambda: notify.version_published(version_id=version.pk, number=version.number))
     return version
 
 

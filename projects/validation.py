@@ -6,7 +6,10 @@ every update is spot-checked, and afterwards a random `spot_check_rate` share st
 replication). A project spot-checks one of two ways (`Project.spot_check_by`):
 
 - "server" (the default): the update is recomputed on the server with engine/ and must match it, within
-  the codec's tolerance (statistically for graphs with dropout). Decided here, result by result.
+  the codec's tolerance (statistically for graphs with dropout). Which work units are checked is drawn
+  when they are sent (lifecycle.work_unit_assign sets `spot_check`), and the server computes their update
+  (`reference`) right away, while the volunteer computes: validating the result is then a comparison, off
+  the round's critical path. A result whose volunteer lost its trust in the meantime is checked too.
 - "replica": the work unit goes to a second volunteer as well (decided when it is sent, in
   lifecycle.work_unit_assign, which raises its target_results and min_quorum to 2). Its results stay
   pending after their own checks until `min_quorum` of them passed those; then they are compared with each
@@ -22,7 +25,6 @@ earn credit from server-side FLOPs, each of them; invalid ones earn nothing and 
 from __future__ import annotations
 
 import math
-import random
 from statistics import median
 
 import torch
@@ -34,6 +36,7 @@ from engine.aggregate import check_update
 from engine.graph import Graph
 from engine.runtime import compute_gradients, local_steps
 from projects import notify
+from projects.blobs import blob_put
 from projects.datasets import shard_load
 from projects.lifecycle import results_abandon, results_awaiting_quorum, work_unit_fail
 from projects.models import Project, Result, WorkUnit
@@ -67,7 +70,7 @@ def result_validate(*, result_id: int) -> Result:
         work_unit_id = Result.objects.values_list("work_unit_id", flat=True).get(pk=result_id)
         work_unit = (
             WorkUnit.objects.select_for_update(of=("self",))
-            .select_related("project", "version", "shard__blob")
+            .select_related("project", "version", "shard__blob", "reference")
             .get(pk=work_unit_id)
         )
         result = Result.objects.select_for_update(of=("self",)).select_related("blob").get(pk=result_id)
@@ -191,13 +194,34 @@ def _spot_check(*, result: Result, update: Tensors) -> str:
     project = result.work_unit.project
     if project.spot_check_by != Project.SpotCheckBy.SERVER:
         return ""  # replicas are decided when work is sent (lifecycle.work_unit_assign)
-    volunteer = volunteer_ensure(user=result.volunteer)
-    trusted = volunteer.is_trusted(threshold=project.trust_threshold)
-    if trusted and random.random() >= project.spot_check_rate:
+    # Drawn when the work was sent (lifecycle.work_unit_assign); a volunteer that lost its trust since
+    # is checked all the same.
+    trusted = volunteer_ensure(user=result.volunteer).is_trusted(threshold=project.trust_threshold)
+    if trusted and not result.work_unit.spot_check:
         return ""
     result.spot_checked = True
-    reference = recompute(work_unit=result.work_unit)
+    reference = _reference(work_unit=result.work_unit)
     return _disagreement(project=project, update=update, reference=reference, against=SERVER_REFERENCE)
+
+
+def _reference(*, work_unit: WorkUnit) -> Tensors:
+    """The server's update for the slice: precomputed while the volunteer computed, else computed now."""
+    if work_unit.reference is not None:
+        tensors, meta = codecs.decode(work_unit.reference.read())
+        if meta.get("recipe") == work_unit.project.task_recipe:
+            return tensors
+    return recompute(work_unit=work_unit)
+
+
+def work_unit_compute_reference(*, work_unit_id: int) -> bool:
+    """Compute and store the server's update for a spot-checked work unit before its result arrives
+    (queued when it is sent). Nothing is lost if this never runs: validation then computes it."""
+    work_unit = WorkUnit.objects.select_related("project", "version", "shard__blob").get(pk=work_unit_id)
+    if not work_unit.is_open or work_unit.reference_id is not None:
+        return False
+    recipe = work_unit.project.task_recipe
+    blob = blob_put(data=codecs.encode(recompute(work_unit=work_unit), "fp32", metadata={"recipe": recipe}))
+    return WorkUnit.objects.filter(pk=work_unit_id, reference=None).update(reference=blob) == 1
 
 
 def _disagreement(*, project: Project, update: Tensors, reference: Tensors, against: str) -> str:

@@ -21,8 +21,10 @@ Validation is the platform default in both: every result spot-checked (recompute
 volunteer has 5 valid results in a row, then 10% of them.
 
 Emulation: each volunteer computes its update for real but does not answer before
-samples x FLOPs-per-sample / --gflops. The machine has 2 shared cores, so --gflops is chosen well under the
-measured throughput of N concurrent volunteers (calibrated at start, recorded in the JSON); every work unit
+samples x FLOPs-per-sample / --gflops. The machine's 2 cores run the volunteers AND the server, so by default
+--gflops is set from the measured throughput of 16 concurrent volunteers (calibrated at start, recorded in
+the JSON): 16 volunteers together emulate half of it, and the other half is the server's. The device then is
+as fast relative to the server on any machine (0.5 GFLOP/s on one whose 2 cores give 20). Every work unit
 whose real compute took longer than its emulated time is counted and flagged in the output.
 """
 
@@ -118,6 +120,11 @@ def _mlp_graph() -> tuple[Any, dict[str, torch.Tensor]]:
     return load_graph(json.dumps(graph).encode()), weights
 
 
+def emulated_gflops(capacity: float) -> float:
+    """Per volunteer: UNITS_PER_ROUND of them use half of the machine's measured `capacity`, 2 digits."""
+    return float(f"{capacity / (2 * UNITS_PER_ROUND):.2g}")
+
+
 def calibrate(concurrency: int, seconds: float = 4.0) -> dict[str, float]:
     """Real throughput (server FLOP count) of `concurrency` volunteers computing at once, as the
     simulator does it (threads in one process): for a 64-sample gradient and a 3,000-sample local pass."""
@@ -194,10 +201,13 @@ class ScalingStack(Stack):
         redis.Redis.from_url(self.env()["REDIS_URL"]).flushdb()  # our own db (2) only
 
     def start(self) -> None:
-        for log in ("web", "worker", "beat"):
+        for log in ("web", "worker", "validator", "beat"):
             (self.var_dir / f"{log}.log").unlink(missing_ok=True)
         (self.var_dir / "beat-schedule").unlink(missing_ok=True)
         self.spawn_processes()
+
+
+WORKERS = ("worker", "validator")  # the Celery workers' logs
 
 
 def worker_task_times(log: str) -> dict[str, dict[str, float]]:
@@ -475,7 +485,8 @@ def run_one(method_key: str, n: int, gflops: float, target: float, timeout: floa
             history = evaluator.history
     finally:
         stack.stop()
-        tasks = worker_task_times(stack.log("worker")) if (stack.var_dir / "worker.log").exists() else {}
+        logs = [stack.log(name) for name in WORKERS if (stack.var_dir / f"{name}.log").exists()]
+        tasks = worker_task_times("\n".join(logs))
         for sim_id in list(TALLY_BY_SIM):
             TALLY_BY_SIM.pop(sim_id)
     sims: list[CountingSimulator] = out["sims"]
@@ -734,7 +745,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--volunteers", default=None, help="comma-separated, default 1,2,4,8,16")
     parser.add_argument("--methods", default=None, help=f"comma-separated of {','.join(METHODS)}")
     parser.add_argument("--target", type=float, default=None, help="default 0.84 (0.80 with --quick)")
-    parser.add_argument("--gflops", type=float, default=0.5, help="emulated device speed per volunteer")
+    parser.add_argument(
+        "--gflops", type=float, default=None, help="emulated device speed per volunteer (default: calibrated)"
+    )
     parser.add_argument("--timeout", type=float, default=None, help="seconds per run before giving up")
     parser.add_argument(
         "--output", default=None, help="results file (default benchmarks/results/scaling.json)"
@@ -755,12 +768,14 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     volunteers = [int(v) for v in (args.volunteers or ("1,4" if args.quick else "1,2,4,8,16")).split(",")]
     methods = (args.methods or "sync,avg").split(",")
-    timeout = args.timeout or (240.0 if args.quick else 600.0)
     args.target = args.target or (0.80 if args.quick else 0.84)
     started = time.monotonic()
     print(f"calibrating: real MLP throughput with {max(volunteers)} concurrent volunteers ...", flush=True)
     calib = calibrate(max(volunteers), seconds=2.0 if args.quick else 4.0)
     capacity = min(calib["gradient_64_gflops_total"], calib["local_steps_3000_gflops_total"])
+    args.gflops = args.gflops or emulated_gflops(capacity)
+    # The runs' length scales with the emulated device time (600 s was plenty at 0.5 GFLOP/s).
+    timeout = args.timeout or (240.0 if args.quick else 600.0) * max(1.0, 0.5 / args.gflops)
     need = max(volunteers) * args.gflops
     print(
         f"  {calib}\n  emulating {args.gflops} GFLOP/s x {max(volunteers)} = {need:g} GFLOP/s; real capacity "

@@ -1,4 +1,4 @@
-"""The real platform as separate processes: daphne, a Celery worker and beat, on PostgreSQL and Redis."""
+"""The real platform as separate processes: daphne, Celery workers and beat, on PostgreSQL and Redis."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import psycopg
 
-from crowdtrain.management.commands.runplatform import worker_args
+from crowdtrain.management.commands.runplatform import validator_args, worker_args
 
 ROOT = Path(__file__).resolve().parents[2]
 PYTHON = sys.executable
@@ -41,6 +41,7 @@ class Stack:
     port: int = field(default_factory=free_port)
     database_url: str = ""
     seed_args: tuple[str, ...] = ("--no-fashion",)
+    extra_env: dict[str, str] = field(default_factory=dict)
     processes: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
 
     @property
@@ -59,6 +60,7 @@ class Stack:
             DJANGO_SETTINGS_MODULE="crowdtrain.settings",
             PYTHONUNBUFFERED="1",
         )
+        env.update(self.extra_env)
         return env
 
     def manage(self, *args: str) -> None:
@@ -75,7 +77,7 @@ class Stack:
         self.spawn_processes()
 
     def spawn_processes(self) -> None:
-        """daphne, a Celery worker and beat, each its own process, as in production."""
+        """daphne, the Celery workers and beat, each its own process, as in production."""
         self._spawn(
             "web",
             "-m",
@@ -91,6 +93,7 @@ class Stack:
             "crowdtrain.asgi:application",
         )
         self._spawn("worker", "-m", "celery", "-A", "crowdtrain", *worker_args(), "-l", "info")
+        self._spawn("validator", "-m", "celery", "-A", "crowdtrain", *validator_args(), "-l", "info")
         self._spawn(
             "beat",
             "-m",

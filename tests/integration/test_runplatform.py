@@ -1,4 +1,4 @@
-"""`manage.py runplatform` really runs redis, daphne, a celery worker and beat, and stops them all."""
+"""`manage.py runplatform` really runs redis, daphne, the celery workers and beat, and stops them all."""
 
 from __future__ import annotations
 
@@ -97,10 +97,11 @@ def test_runplatform_starts_everything_and_stops_cleanly_on_ctrl_c(tmp_path: Pat
         said = lambda *words: any(all(word in line for word in words) for line in output)  # noqa: E731
         wait_until(lambda: http_ok(f"http://127.0.0.1:{port}/"), 120, "the home page", output)
         wait_until(lambda: said("[worker]", "ready."), 120, "the worker", output)
+        wait_until(lambda: said("[validator]", "validator@", "ready."), 120, "the validator", output)
         wait_until(lambda: said("[platform]", f"open http://127.0.0.1:{port}/"), 10, "the URL", output)
         children = descendants(proc.pid)
-        assert len(children) >= 4, f"expected redis, web, worker and beat; found pids {children}"
-        for name in ("[redis]", "[web]", "[worker]", "[beat]"):
+        assert len(children) >= 5, f"expected redis, web, worker, validator and beat; found pids {children}"
+        for name in ("[redis]", "[web]", "[worker]", "[validator]", "[beat]"):
             assert any(line.startswith(name) for line in output), f"no {name} lines"
 
         proc.send_signal(signal.SIGINT)

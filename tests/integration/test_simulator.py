@@ -27,7 +27,13 @@ REDIS_DB = int(os.environ.get("SIM_STACK_REDIS_DB", "11"))
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    running = Stack(var_dir=tmp_path_factory.mktemp("sim-stack"), database=DATABASE, redis_db=REDIS_DB)
+    running = Stack(
+        var_dir=tmp_path_factory.mktemp("sim-stack"),
+        database=DATABASE,
+        redis_db=REDIS_DB,
+        # Every spot-checked work unit is recomputed as soon as it is sent (the demo's are small).
+        extra_env={"CROWDTRAIN_REFERENCE_MIN_FLOPS": "0"},
+    )
     try:
         running.start()
         # A lone attacker may try each work unit of a round once; when it has tried them all it waits
@@ -78,6 +84,15 @@ def results(stack: Stack, username: str, validation: str) -> int:
                             "WHERE u.username = %s AND r.validation = %s", username, validation))
 
 
+def references(stack: Stack, username: str) -> int:
+    """Work units of this volunteer's results that the server recomputed when it sent them."""
+    return int(query(stack, "SELECT count(DISTINCT w.id) FROM projects_workunit w "
+                            "JOIN projects_result r ON r.work_unit_id = w.id "
+                            "JOIN auth_user u ON u.id = r.volunteer_id "
+                            "WHERE u.username = %s AND w.spot_check AND w.reference_id IS NOT NULL",
+                 username))
+
+
 def latest_version(stack: Stack, timeout: float = 60) -> int:
     """Highest model version number, waiting for the Celery worker to close pending rounds."""
     deadline = time.monotonic() + timeout
@@ -123,6 +138,7 @@ def test_tampered_updates_fail_the_spot_check_and_earn_nothing(stack: Stack, beh
     assert (stats.work_units, stats.valid, stats.invalid, stats.credit_flops) == (2, 0, 2, 0), stats
     assert all("recomputation" in r or "norm" in r for r in stats.reasons), stats.reasons
     assert ledger(stack, name) == 0 and results(stack, name, "valid") == 0
+    assert references(stack, name) == 2  # computed by the worker while the volunteer computed
 
 
 def test_replayed_updates_are_invalid(stack: Stack) -> None:

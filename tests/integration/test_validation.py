@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import threading
+from typing import Any
 
 import pytest
 import torch
 from django.contrib.auth.models import User
 from django.db import connection, transaction
 
+from engine import codecs
 from projects import validation
 from projects.blobs import blob_put
 from projects.models import Project, Result, WorkUnit
@@ -165,3 +167,101 @@ def test_a_spot_check_does_not_lock_the_project(
         release.set()
         thread.join(10)
     assert judged(result).is_valid
+
+
+# --- spot checks decided when work is sent, references computed meanwhile ------------------------
+
+
+@pytest.fixture
+def precomputing(settings: Any) -> None:
+    """Every spot-checked work unit gets its reference at once (the MLP's are below the default size)."""
+    settings.CROWDTRAIN = {**settings.CROWDTRAIN, "REFERENCE_MIN_FLOPS": 0}
+
+
+def _reference(work_unit_id: int) -> dict[str, torch.Tensor] | None:
+    work_unit = WorkUnit.objects.select_related("reference").get(pk=work_unit_id)
+    return codecs.decode(work_unit.reference.read())[0] if work_unit.reference else None
+
+
+@pytest.mark.usefixtures("precomputing")
+def test_the_server_computes_a_checked_slice_while_the_volunteer_does(
+    mlp_project: Project, volunteer_user: User
+) -> None:
+    result = assign(volunteer_user)  # Celery is eager here: the reference task ran when the work was sent
+
+    work_unit = WorkUnit.objects.get(pk=result.work_unit_id)
+    stored, expected = _reference(work_unit.pk), recompute(work_unit=work_unit)
+    assert work_unit.spot_check and stored is not None
+    assert stored.keys() == expected.keys()
+    assert all(torch.equal(stored[name], expected[name]) for name in expected)
+
+
+@pytest.mark.usefixtures("precomputing")
+def test_validation_compares_with_the_stored_reference(mlp_project: Project, volunteer_user: User) -> None:
+    result = assign(volunteer_user)
+    honest = honest_update(result.work_unit)
+    # A wrong reference makes the honest update fail: proof that validation compared with it rather than
+    # recomputing the slice.
+    wrong = {name: -t for name, t in recompute(work_unit=result.work_unit).items()}
+    recipe = {"recipe": mlp_project.task_recipe}
+    WorkUnit.objects.filter(pk=result.work_unit_id).update(
+        reference=blob_put(data=codecs.encode(wrong, metadata=recipe))
+    )
+
+    outcome = receive(volunteer_user, result, honest)
+    assert outcome.status == "invalid" and "recomputation" in outcome.reason
+
+
+@pytest.mark.usefixtures("precomputing")
+def test_a_reference_computed_under_other_settings_is_not_used(
+    mlp_project: Project, volunteer_user: User
+) -> None:
+    result = assign(volunteer_user)  # its reference is a gradient (sync_sgd)
+    assert _reference(result.work_unit_id) is not None
+    Project.objects.filter(pk=mlp_project.pk).update(mode=Project.Mode.AVERAGING)  # changed mid-round
+
+    outcome = receive(volunteer_user, judged(result))  # a local-steps delta, as the settings now say
+    assert outcome.status == "valid", outcome.reason
+
+
+def test_small_slices_are_recomputed_when_their_result_arrives(
+    mlp_project: Project, volunteer_user: User
+) -> None:
+    result = assign(volunteer_user)
+    assert WorkUnit.objects.get(pk=result.work_unit_id).spot_check
+    assert _reference(result.work_unit_id) is None  # below REFERENCE_MIN_FLOPS: no task for it
+
+    assert receive(volunteer_user, result).status == "valid"
+    assert judged(result).spot_checked
+
+
+@pytest.mark.usefixtures("precomputing")
+def test_trusted_volunteers_not_drawn_get_no_reference(mlp_project: Project, volunteer_user: User) -> None:
+    Project.objects.filter(pk=mlp_project.pk).update(spot_check_rate=0.0)
+    Volunteer.objects.create(user=volunteer_user, consecutive_valid=mlp_project.trust_threshold)
+    result = assign(volunteer_user)
+
+    work_unit = WorkUnit.objects.get(pk=result.work_unit_id)
+    assert not work_unit.spot_check and _reference(work_unit.pk) is None
+
+
+def test_a_volunteer_that_lost_its_trust_after_the_work_was_sent_is_checked(
+    mlp_project: Project, volunteer_user: User
+) -> None:
+    Project.objects.filter(pk=mlp_project.pk).update(spot_check_rate=0.0)
+    Volunteer.objects.create(user=volunteer_user, consecutive_valid=mlp_project.trust_threshold)
+    result = assign(volunteer_user)
+    assert not WorkUnit.objects.get(pk=result.work_unit_id).spot_check
+    Volunteer.objects.filter(user=volunteer_user).update(consecutive_valid=0)  # e.g. an invalid result since
+
+    # A sign flip keeps the norm: only a spot check catches it.
+    outcome = receive(volunteer_user, result, tampered(result.work_unit, "sign_flip"))
+    assert outcome.status == "invalid" and "recomputation" in outcome.reason
+
+
+def test_references_are_not_computed_for_decided_work(mlp_project: Project, volunteer_user: User) -> None:
+    result = assign(volunteer_user)
+    assert receive(volunteer_user, result).status == "valid"
+
+    assert not validation.work_unit_compute_reference(work_unit_id=result.work_unit_id)
+    assert _reference(result.work_unit_id) is None

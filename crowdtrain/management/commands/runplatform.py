@@ -1,4 +1,4 @@
-"""`manage.py runplatform`: run the whole platform locally (redis, daphne, celery worker and beat)."""
+"""`manage.py runplatform`: run the whole platform locally (redis, daphne, celery workers and beat)."""
 
 from __future__ import annotations
 
@@ -28,12 +28,18 @@ def worker_args() -> list[str]:
     """A Celery worker on both queues, one task at a time. Validations run side by side with a thread or
     prefork pool, but with either, a Redis restart with tasks in flight crashed the worker (kombu's
     restore of unacknowledged messages after the connection loss) in the chaos test; the solo pool
-    survives it. Scale out with more worker processes instead."""
+    survives it. Scale out with more worker processes instead (validator_args)."""
     return ["worker", "-Q", "celery,validation", "--pool", "solo"]
 
 
+def validator_args() -> list[str]:
+    """A second worker, for the validation queue only: a round's results arrive together, and with the
+    server's recomputations they are most of the server's work. Two processes use both cores."""
+    return ["worker", "-Q", "validation", "--pool", "solo", "-n", "validator@%h"]
+
+
 def platform_children(host: str, port: int, beat_schedule: Path) -> list[Child]:
-    """daphne, a celery worker and celery beat, all run by this very interpreter."""
+    """daphne, two celery workers and celery beat, all run by this very interpreter."""
     python = [sys.executable, "-m"]
     celery = [*python, "celery", "-A", "crowdtrain"]
     return [
@@ -42,12 +48,13 @@ def platform_children(host: str, port: int, beat_schedule: Path) -> list[Child]:
             [*python, "daphne", "-b", host, "-p", str(port), *daphne_limits(), "crowdtrain.asgi:application"],
         ),
         Child("worker", [*celery, *worker_args(), "-l", "info"]),
+        Child("validator", [*celery, *validator_args(), "-l", "info"]),
         Child("beat", [*celery, "beat", "-l", "info", "-s", str(beat_schedule)]),
     ]
 
 
 class Command(BaseCommand):
-    help = "Run redis (bundled, unless REDIS_URL is set), daphne, a celery worker and celery beat."
+    help = "Run redis (bundled, unless REDIS_URL is set), daphne, celery workers and celery beat."
 
     def add_arguments(self, parser: ArgumentParser) -> None:
         parser.add_argument("--host", default=os.environ.get("HOST", "127.0.0.1"))
