@@ -216,9 +216,11 @@ def _reference(*, work_unit: WorkUnit) -> Tensors:
 def work_unit_compute_reference(*, work_unit_id: int) -> bool:
     """Compute and store the server's update for a spot-checked work unit before its result arrives
     (queued when it is sent). Nothing is lost if this never runs: validation then computes it."""
-    work_unit = WorkUnit.objects.select_related("project", "version", "shard__blob").get(pk=work_unit_id)
-    if not work_unit.is_open or work_unit.reference_id is not None:
-        return False
+    work_unit = (
+        WorkUnit.objects.select_related("project", "version", "shard__blob").filter(pk=work_unit_id).first()
+    )
+    if work_unit is None or not work_unit.is_open or work_unit.reference_id is not None:
+        return False  # gone (its project was deleted), decided, or done already
     recipe = work_unit.project.task_recipe
     blob = blob_put(data=codecs.encode(recompute(work_unit=work_unit), "fp32", metadata={"recipe": recipe}))
     return WorkUnit.objects.filter(pk=work_unit_id, reference=None).update(reference=blob) == 1

@@ -265,3 +265,7 @@ def test_references_are_not_computed_for_decided_work(mlp_project: Project, volu
 
     assert not validation.work_unit_compute_reference(work_unit_id=result.work_unit_id)
     assert _reference(result.work_unit_id) is None
+
+
+def test_a_reference_for_a_work_unit_that_is_gone_is_skipped(mlp_project: Project) -> None:
+    assert not validation.work_unit_compute_reference(work_unit_id=10**9)
