@@ -696,9 +696,15 @@ def plot(rows: list[dict[str, Any]], path: Path, target: float) -> None:
     ax1.plot(ns, ns, "k:", label="linear")
     ax1.axhline(GOAL_SPEEDUP, color="grey", lw=0.8, ls="--", label=f"goal {GOAL_SPEEDUP:g}x @16")
     for m in methods:
-        pts = [(r["volunteers"], r["speedup"]) for r in rows if r["method"] == m and r.get("speedup")]
-        if pts:
-            ax1.plot(*zip(*pts, strict=True), "o-", label=METHODS[m].label)
+        ours = [r for r in rows if r["method"] == m and r.get("speedup")]
+        if not ours:
+            continue
+        xs = [r["volunteers"] for r in ours]
+        line = ax1.plot(xs, [r["speedup"] for r in ours], "o-", label=METHODS[m].label)[0]
+        # Per round too: rounds-to-target may differ by one between runs (int8 rounding), which moves
+        # the time-to-accuracy speedup by a round's worth either way.
+        per_round = [r["round_speedup"] for r in ours]
+        ax1.plot(xs, per_round, "x--", color=line.get_color(), alpha=0.6, label=f"{m}, per round")
     ax1.set(
         xscale="log",
         yscale="log",
