@@ -101,7 +101,7 @@ def _judge(result: Result) -> list[Result]:
         return [_judge_against_canonical(result=result, update=params)]
     if work_unit.min_quorum > 1:
         result.save(update_fields=["checked", "update_norm"])
-        return _quorum(work_unit=work_unit, result=result)
+        return _quorum(work_unit=work_unit, result=result, update=params)
     reason = _spot_check(result=result, update=params)
     if reason:
         _invalidate(result=result, reason=reason)
@@ -283,7 +283,7 @@ def recompute(*, work_unit: WorkUnit) -> Tensors:
 # --- replicas -------------------------------------------------------------------------------------
 
 
-def _quorum(*, work_unit: WorkUnit, result: Result) -> list[Result]:
+def _quorum(*, work_unit: WorkUnit, result: Result, update: Tensors) -> list[Result]:
     """Once `min_quorum` results passed their own checks, compare them (as BOINC's check_set): the first
     agreeing with a quorum is canonical, and each other result is valid if it agrees with the canonical one.
     With no quorum agreeing, one more instance is wanted. Returns the results decided."""
@@ -292,7 +292,8 @@ def _quorum(*, work_unit: WorkUnit, result: Result) -> list[Result]:
     if len(candidates) < work_unit.min_quorum:
         return []
     project = work_unit.project
-    updates = {r.pk: _params(r, work_unit) for r in candidates}
+    # `result` was just decoded for its own checks; only the others are read again.
+    updates = {r.pk: update if r.pk == result.pk else _params(r, work_unit) for r in candidates}
     canonical = _canonical(
         project=project, candidates=candidates, updates=updates, quorum=work_unit.min_quorum
     )

@@ -26,7 +26,6 @@ from workers.services import device_disconnect, device_register
 UNAUTHENTICATED = 4401
 
 
-
 class VolunteerConsumer(AsyncWebsocketConsumer):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
