@@ -56,9 +56,10 @@ def result_decided(*, result_id: int) -> None:
             "total_credit_flops": outcome.total_credit_flops,
         },
     )
-    if result.is_valid and training.round_ready(project_id=result.work_unit.project_id):
+    # Any verdict may be the one the round waited for (it closes only once every result received is judged).
+    if training.round_ready(project_id=result.work_unit.project_id):
         tasks.project_step.delay(result.work_unit.project_id)
-    elif result.validation == Result.Validation.INVALID:
+    if result.validation == Result.Validation.INVALID:
         work_available()  # its slice is open again
 
 

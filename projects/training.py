@@ -1,7 +1,8 @@
 """Server-side training: turn valid updates into the next model version, as the project's mode says.
 
 - sync_sgd: a round closes once `round_samples` valid samples arrived (or at `round_timeout` with what
-  arrived); gradients are aggregated and one server optimizer step (SGD with momentum) is taken.
+  arrived) and every result received meanwhile was judged; gradients are aggregated and one server
+  optimizer step (SGD with momentum) is taken.
 - averaging: the same rounds, but updates are deltas of local training; their average is the
   pseudo-gradient of an outer Nesterov step (DiLoCo).
 - async_sgd: whatever valid updates arrived are applied at once, each weighted by 1/(1 + staleness).
@@ -70,15 +71,15 @@ def _pending(*, project: Project, current: ModelVersion) -> list[Result]:
 
 
 def _round_complete(*, project: Project, current: ModelVersion, results: list[Result], force: bool) -> bool:
-    if project.mode == Project.Mode.ASYNC_SGD:
+    if project.mode == Project.Mode.ASYNC_SGD or force:
         return True
-    if force or sum(r.samples for r in results) >= project.round_samples:
-        return True
+    target_met = sum(r.samples for r in results) >= project.round_samples
     expired = timezone.now() - current.created_at >= timedelta(seconds=project.round_timeout)
-    # A timed-out round still waits for results that arrived while it was open and only sit in the
-    # validation queue: closing now would cancel them as "late" (no credit) although they were on time.
-    # Each decision calls project_step again, and lost validations are retried, so the wait is bounded.
-    return expired and not _awaiting_validation(current)
+    # Every result received while the round was open is judged before it closes, whether the round met its
+    # target or timed out: closing first would cancel them as "late" (no credit, no verdict on their merits)
+    # although they were on time, and which verdict a result got would depend on which worker ran first.
+    # Each decision asks for the step again, and lost validations are retried, so the wait is bounded.
+    return (target_met or expired) and not _awaiting_validation(current)
 
 
 def _awaiting_validation(current: ModelVersion) -> bool:

@@ -132,6 +132,14 @@ def rel_l2(got: dict[str, Any], want: dict[str, Any]) -> float:
     return (diff / sum(float((want[k] ** 2).sum()) for k in want)) ** 0.5
 
 
+def wait_for(condition: Any, timeout: float = 30) -> None:
+    """Poll `condition` until it holds: the page talks to the fake server on its own schedule."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.05)
+
+
 def test_contribute_page_runs_the_protocol(browser: Any, static_server: Any, fake_server: FakeServer) -> None:
     static_server.put_blob("contribute.html", page_from_template(fake_server.url).encode())
     context = browser.new_context()
@@ -157,12 +165,11 @@ def test_contribute_page_runs_the_protocol(browser: Any, static_server: Any, fak
     assert float(page.text_content("#samples-per-second")) > 0
     share = re.fullmatch(r"(\d+) %", page.text_content("#compute-share"))
     assert share and 0 < int(share.group(1)) <= 100, page.text_content("#compute-share")
-    time.sleep(1)
+    # Nothing more is asked for while idle: the fourth `ready` (after result 3) is the last before `bye`.
+    wait_for(lambda: fake_server.json_types().count("ready") == 4)
     page.click("#stop")
     page.wait_for_function("() => !document.getElementById('contribute').disabled")
-    deadline = time.monotonic() + 5
-    while "bye" not in fake_server.json_types() and time.monotonic() < deadline:
-        time.sleep(0.05)
+    wait_for(lambda: "bye" in fake_server.json_types())
     context.close()
 
     types = fake_server.json_types()

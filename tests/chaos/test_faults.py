@@ -26,10 +26,11 @@ from tests.chaos.harness import (
 )
 from tests.chaos.stack import ChaosStack
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(480)]
 
 BEFORE, AFTER = 1, 2  # versions of progress required before the fault, and after it
-PROGRESS_TIMEOUT = 60.0
+# A liveness bound, not a speed target: generous, so that a loaded machine is not mistaken for a stall.
+PROGRESS_TIMEOUT = 150.0
 
 
 @pytest.fixture(scope="module")

@@ -56,6 +56,24 @@ def wait_for_accuracy(page, stack: Stack, minutes: float) -> float:
     return accuracy
 
 
+def unsettled(stack: Stack, username: str) -> int:
+    with psycopg.connect(stack.database_url) as conn:
+        row = conn.execute(
+            "SELECT count(*) FROM projects_result r JOIN auth_user u ON u.id = r.volunteer_id "
+            "WHERE u.username = %s AND (r.status = 'in_progress' OR "
+            "(r.status = 'received' AND r.validation = 'pending'))",
+            (username,),
+        ).fetchone()
+    return int(row[0]) if row else 0
+
+
+def wait_until_settled(stack: Stack, username: str, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while unsettled(stack, username):
+        assert time.monotonic() < deadline, f"{username}'s results never settled"
+        time.sleep(0.2)
+
+
 def test_new_volunteer_trains_the_demo_to_80_percent(stack: Stack, browser) -> None:
     SHOTS.mkdir(parents=True, exist_ok=True)
     page = browser.new_page(viewport={"width": 1280, "height": 900})
@@ -72,7 +90,9 @@ def test_new_volunteer_trains_the_demo_to_80_percent(stack: Stack, browser) -> N
     assert re.search(r"webgl", backend, re.IGNORECASE), backend
     assert int(page.get_attribute("#credit", "data-flops") or 0) > 0
     page.click("#stop")
-    page.wait_for_timeout(3000)  # a result already in flight may still be credited
+    # A result already in flight may still be credited: compare the pages with the ledger once nothing of
+    # this volunteer's is in flight or waiting for its verdict.
+    wait_until_settled(stack, "newvolunteer")
 
     total = ledger_total(stack)
     page.goto(stack.url + "/leaderboard/")

@@ -28,7 +28,8 @@ from tests.conftest import run_async
 from tests.e2e.stack import Stack
 from workers.simulator import Simulator, SimulatorConfig, SimulatorStats
 
-pytestmark = pytest.mark.slow
+# Two stacks, each given up to train()'s liveness bound.
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
 
 # Overridable so that several engineers can run the suite side by side on one PostgreSQL / Redis.
 DATABASE = os.environ.get("BYZANTINE_STACK_DATABASE", "crowdtrain_byzantine")
@@ -138,7 +139,8 @@ def valid_flops(stack: Stack, project: str) -> int:
                              "WHERE p.name = %s AND r.validation = 'valid'", project))
 
 
-def train(stack: Stack, project: str, configs: list[SimulatorConfig], timeout: float = 120) -> Run:
+# A liveness bound (the project must finish), not a speed target: generous for a loaded machine.
+def train(stack: Stack, project: str, configs: list[SimulatorConfig], timeout: float = 400) -> Run:
     stats = run_async(simulate(stack, project, configs, timeout))
     versions = scalar(stack, "SELECT max(v.number) FROM projects_modelversion v "
                              "JOIN projects_project p ON p.id = v.project_id WHERE p.name = %s", project)

@@ -3,17 +3,18 @@
 from __future__ import annotations
 
 from datetime import timedelta
+from unittest import mock
 
 import pytest
 import torch
 from django.contrib.auth.models import User
 from django.utils import timezone
 
-from projects import training
+from projects import tasks, training
 from projects.models import ModelVersion, Project, Result, WorkUnit
 from projects.services import version_evaluate, version_weights, version_wire_weights
 from projects.validation import recompute
-from tests.integration.volunteer import assign, receive
+from tests.integration.volunteer import assign, receive, tampered
 from workers import protocol
 from workers.models import CreditEntry, Volunteer
 
@@ -87,6 +88,36 @@ def test_a_round_closes_at_its_timeout_and_drops_the_straggler(
     assert Result.objects.get(pk=straggler.pk).status == Result.Status.CANCELLED
     assert receive(other_volunteer, straggler).status == "late"
     assert CreditEntry.objects.count() == 1
+
+
+@pytest.mark.parametrize("closes_by", ["target", "timeout"])
+def test_a_round_closes_only_once_every_result_it_received_is_judged(
+    mlp_project: Project, volunteer_user: User, other_volunteer: User, closes_by: str
+) -> None:
+    """A result that arrived while its round was open gets a verdict on its merits (here: invalid), never
+    `late` because another worker closed the round first; the round waits for it, then closes."""
+    flipped = assign(other_volunteer)
+    # Its validation message still sits in the broker's queue, as under load.
+    with mock.patch("projects.notify.result_received"):
+        outcome = receive(other_volunteer, flipped, payload=tampered(flipped.work_unit, "sign_flip"))
+    assert outcome.status == "pending"
+    assert receive(volunteer_user, assign(volunteer_user)).status == "valid"
+    if closes_by == "target":
+        Project.objects.filter(pk=mlp_project.pk).update(round_samples=50)
+    else:
+        expired = timezone.now() - timedelta(minutes=5)
+        ModelVersion.objects.filter(project=mlp_project).update(created_at=expired)
+
+    assert not training.round_ready(project_id=mlp_project.pk)
+    assert training.rounds_close_expired() == [] and training.project_step(project_id=mlp_project.pk) is None
+    assert tasks.validate_result(flipped.pk) == "invalid"  # the queued message is delivered
+
+    judged = Result.objects.get(pk=flipped.pk)
+    assert (judged.status, judged.validation, judged.aggregated) == ("received", "invalid", False)
+    assert "recomputation" in judged.reason
+    version = mlp_project.current_version()  # the verdict it waited for closed the round
+    assert (version.number, version.samples) == (1, 50)
+    assert not CreditEntry.objects.filter(volunteer__user=other_volunteer).exists()
 
 
 def test_async_applies_each_update_weighted_by_staleness(
