@@ -28,12 +28,13 @@ define forget-old-stamps
 find $(VENV) -maxdepth 1 -name '.installed-*' ! -name '$(notdir $(RUN_STAMP))' ! -name '$(notdir $(DEV_STAMP))' -delete
 endef
 
-.PHONY: help run test lint docker setup setup-dev vendor
+.PHONY: help run test lint docker setup setup-dev vendor fuzz
 
 help:
 	@echo "make run     set up (.venv, npm, database, admin, demo data) and run the platform on http://127.0.0.1:8000"
 	@echo "make test    set up the dev tools and run the whole test suite"
 	@echo "make lint    ruff + mypy"
+	@echo "make fuzz    the long protocol fuzz against the real stack (FUZZ_ARGS=\"--frames 100000 --minutes 30\")"
 	@echo "make docker  docker compose up --build (production shape; needs .env, see platform/env.example)"
 
 $(PY):
@@ -72,6 +73,12 @@ run: setup
 
 test: setup-dev
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+# benchmarks/security/fuzz.py: 100,000 hostile frames (or 30 minutes) while honest volunteers train; a table
+# and benchmarks/results/security_fuzz.json. Fails on any crash, stall, traceback, 500 or broken invariant.
+FUZZ_ARGS ?=
+fuzz: setup-dev
+	$(PY) -m benchmarks.security.fuzz $(FUZZ_ARGS)
 
 lint: $(DEV_STAMP)
 	$(PY) -m ruff check .

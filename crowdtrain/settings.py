@@ -45,6 +45,7 @@ INSTALLED_APPS = [
     "workers",
     "frontend",
     "crowdtrain",  # management commands: runplatform, ensure_admin
+    "django_ratelimit",  # its system checks catch a cache that cannot count (see SILENCED_SYSTEM_CHECKS)
 ]
 
 MIDDLEWARE = [
@@ -133,6 +134,8 @@ CHANNEL_LAYERS = {
         "CONFIG": {"hosts": [REDIS_URL], "capacity": 1000, "expiry": 30},
     }
 }
+# Throttling counters (e.g. WebSocket connects) must be shared by every process: Redis, not local memory.
+CACHES = {"default": {"BACKEND": "django.core.cache.backends.redis.RedisCache", "LOCATION": REDIS_URL}}
 CELERY_BROKER_URL = os.environ.get("CELERY_BROKER_URL", REDIS_URL)
 CELERY_RESULT_BACKEND = None
 CELERY_TASK_ALWAYS_EAGER = env_bool("CELERY_TASK_ALWAYS_EAGER", False)
@@ -162,7 +165,17 @@ DATA_UPLOAD_MAX_MEMORY_SIZE = int(os.environ.get("CROWDTRAIN_MAX_REQUEST_BYTES",
 FILE_UPLOAD_MAX_MEMORY_SIZE = 8 * 2**20
 CROWDTRAIN = {
     "MAX_DATASET_BYTES": int(os.environ.get("CROWDTRAIN_MAX_DATASET_BYTES", 512 * 2**20)),
+    # A dataset's arrays as stored (float32 samples, int32 labels); uint8 pixels grow fourfold.
+    "MAX_DATASET_ARRAY_BYTES": int(os.environ.get("CROWDTRAIN_MAX_DATASET_ARRAY_BYTES", 2**30)),
+    # Uncompressed over compressed size of an .npz beyond 32 MiB of arrays (zip bombs reach 1000).
+    "MAX_DATASET_COMPRESSION_RATIO": int(os.environ.get("CROWDTRAIN_MAX_DATASET_COMPRESSION_RATIO", 100)),
+    # JSON header of an uploaded weights.safetensors (real ones hold a few KB).
+    "MAX_TENSOR_HEADER_BYTES": int(os.environ.get("CROWDTRAIN_MAX_TENSOR_HEADER_BYTES", 16 * 2**20)),
     "MAX_RESULT_BYTES": int(os.environ.get("CROWDTRAIN_MAX_RESULT_BYTES", 128 * 2**20)),
+    # Result frames one daphne process handles at once, all connections together: over it, `busy`.
+    "MAX_INFLIGHT_RESULT_BYTES": int(os.environ.get("CROWDTRAIN_MAX_INFLIGHT_RESULT_BYTES", 256 * 2**20)),
+    "WS_CONNECTS_PER_MINUTE_USER": int(os.environ.get("CROWDTRAIN_WS_CONNECTS_PER_MINUTE_USER", 30)),
+    "WS_CONNECTS_PER_MINUTE_IP": int(os.environ.get("CROWDTRAIN_WS_CONNECTS_PER_MINUTE_IP", 60)),
     "SHARD_SAMPLES": int(os.environ.get("CROWDTRAIN_SHARD_SAMPLES", 1000)),
     "WORK_UNIT_BUFFER": int(os.environ.get("CROWDTRAIN_WORK_UNIT_BUFFER", 8)),
     "WORK_UNIT_DEADLINE_SECONDS": int(os.environ.get("CROWDTRAIN_WU_DEADLINE", 120)),
@@ -171,6 +184,22 @@ CROWDTRAIN = {
     # sent; below it, recomputing at validation (milliseconds) costs less than a task to precompute it.
     "REFERENCE_MIN_FLOPS": int(os.environ.get("CROWDTRAIN_REFERENCE_MIN_FLOPS", 10**8)),
 }
+
+# Throttles on logins (public and admin; failures per address and per account) and on sign-ups (per
+# address), counted by django-ratelimit in the Redis cache. Rates are "<count>/<s|m|h|d>". Locally sign-ups
+# are generous: the simulators and the end-to-end stacks sign many volunteers up from 127.0.0.1.
+RATELIMIT_USE_CACHE = "default"
+RATELIMIT_IP_META_KEY = "frontend.throttle.client_ip"
+# django-ratelimit lists only django-redis and memcached as supported; Django's own RedisCache counts
+# atomically too (INCRBY), which is all it needs.
+SILENCED_SYSTEM_CHECKS = ["django_ratelimit.W001"]
+CROWDTRAIN_LOGIN_RATE = os.environ.get("CROWDTRAIN_LOGIN_RATE", "10/m")
+CROWDTRAIN_SIGNUP_RATE = os.environ.get("CROWDTRAIN_SIGNUP_RATE", "5/h" if PRODUCTION else "1000/h")
+# Proxies in front of daphne that append the client's address to X-Forwarded-For and are trusted to: the
+# client is the address that many entries from the right. 0: the connection's address (REMOTE_ADDR).
+CROWDTRAIN_TRUSTED_PROXIES = int(os.environ.get("CROWDTRAIN_TRUSTED_PROXIES", 0))
+# How long a dataset shard's signed URL (sent in an assign message) stays valid.
+CROWDTRAIN_SHARD_URL_SECONDS = int(os.environ.get("CROWDTRAIN_SHARD_URL_SECONDS", 3600))
 
 if PRODUCTION:
     SECURE_PROXY_SSL_HEADER = ("HTTP_X_FORWARDED_PROTO", "https")

@@ -3,6 +3,7 @@
 from django.contrib import admin
 from django.urls import include, path
 
+from frontend.throttle import ThrottledAdminAuthenticationForm, throttled_status
 from frontend.views import admin_dashboard
 
 admin.site.site_header = "Crowdtrain administration"
@@ -10,8 +11,11 @@ admin.site.site_title = "Crowdtrain admin"
 admin.site.index_title = "Projects, datasets and volunteers"
 # Extends admin/index.html with a link to the dashboard (an app template cannot shadow the admin's own).
 admin.site.index_template = "admin/crowdtrain_index.html"
+admin.site.login_form = ThrottledAdminAuthenticationForm
 
 urlpatterns = [
+    # Ahead of admin.site.urls: the admin's own login view, answering 429 once throttled.
+    path("admin/login/", throttled_status(admin.site.login)),
     path("admin/dashboard/", admin.site.admin_view(admin_dashboard), name="admin-dashboard"),
     path("admin/", admin.site.urls),
     path("", include("frontend.urls")),

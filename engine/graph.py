@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from engine import ops
+from engine.codecs import MAX_JSON_DEPTH, json_loads_bounded
 
 FORMAT = "crowdtrain.graph"
 VERSION = 1
@@ -26,7 +27,14 @@ MAX_NAME = 200
 MAX_INT = 2**31 - 1
 NAME_RE = re.compile(r"[A-Za-z0-9_.:/-]+")
 
+# Activation memory per training sample (every node's output, twice for the backward pass) beyond which
+# no graph loads at all; projects set a lower limit of their own (Project.max_activation_mb).
+MAX_ACTIVATION_BYTES = 2**30
+TRAIN_MEMORY_FACTOR = 2  # backward holds a gradient as large as each saved activation
+EVAL_MEMORY_BYTES = 256 * 2**20  # forward activations of one evaluation batch (runtime.evaluate)
+
 DTYPES = {"float32": torch.float32, "int64": torch.int64}
+INFER_BATCH = 2  # shapes are checked at 2 samples: a graph that hard-codes a batch of 1 fails
 
 
 class GraphError(ValueError):
@@ -335,9 +343,9 @@ def _parse_loss(raw: Any, output: str, targets: tuple[TensorSpec, ...]) -> Loss:
 def _parse_header(data: Any) -> dict[str, Any]:
     if isinstance(data, (bytes, str)):
         try:
-            data = json.loads(data)
-        except (ValueError, UnicodeDecodeError) as exc:
-            raise _fail(f"graph is not valid JSON: {exc}") from None
+            data = json_loads_bounded(data, MAX_JSON_DEPTH)
+        except ValueError as exc:  # includes UnicodeDecodeError
+            raise _fail(f"graph is not valid JSON: {str(exc)[:300]}") from None
     if not isinstance(data, dict):
         raise _fail("graph must be a JSON object")
     if data.get("format") != FORMAT or data.get("version") != VERSION:
@@ -346,8 +354,26 @@ def _parse_header(data: Any) -> dict[str, Any]:
     return data
 
 
-def load_graph(data: dict[str, Any] | str | bytes) -> Graph:
-    """Parse and fully validate a graph; raises GraphError naming the offending part."""
+def load_graph(data: dict[str, Any] | str | bytes,
+               max_activation_bytes: int | None = MAX_ACTIVATION_BYTES) -> Graph:
+    """Parse and fully validate a graph; raises GraphError naming the offending part.
+
+    Also refuses graphs whose activations need more than ``max_activation_bytes`` per training sample
+    (None: no bound), so nothing ever tries to run them.
+    """
+    try:
+        graph, values = _load(data)
+    except GraphError:
+        raise
+    except (ValueError, TypeError, KeyError, IndexError, AttributeError, OverflowError, RecursionError,
+            MemoryError) as exc:  # hostile input the checks above did not foresee: still a clear error
+        raise _fail(f"malformed graph ({type(exc).__name__}: {str(exc)[:200]})") from None
+    if max_activation_bytes is not None:
+        _activation_from(graph, values, INFER_BATCH).check(max_activation_bytes)
+    return graph
+
+
+def _load(data: dict[str, Any] | str | bytes) -> tuple[Graph, dict[str, torch.Tensor]]:
     data = _parse_header(data)
     name = _check_name(data.get("name", "model"), "graph")
     inputs = _parse_specs(data, "inputs", True, ("float32", "int64"))
@@ -358,8 +384,17 @@ def load_graph(data: dict[str, Any] | str | bytes) -> Graph:
     if not inputs or not targets or not raw_nodes:
         raise _fail("graph needs at least one input, one target and one node")
     _check_limits(params, raw_nodes)
-    defined = {s.name for s in (*inputs, *targets, *params, *buffers)}
     _check_unique([s.name for s in (*inputs, *targets, *params, *buffers)])
+    nodes = _parse_nodes(raw_nodes, {s.name for s in (*inputs, *targets, *params, *buffers)})
+    output = data.get("output")
+    if not isinstance(output, str) or output not in {n.name for n in nodes}:
+        raise _fail(f"output {output!r} is not a node")
+    loss = _parse_loss(data.get("loss"), output, targets)
+    graph = Graph(name, inputs, targets, params, buffers, tuple(nodes), output, loss)
+    return graph, _checked_values(graph, INFER_BATCH)
+
+
+def _parse_nodes(raw_nodes: list[Any], defined: set[str]) -> list[Node]:
     nodes: list[Node] = []
     for i, raw in enumerate(raw_nodes):
         node = _parse_node(raw, i, defined)
@@ -367,13 +402,7 @@ def load_graph(data: dict[str, Any] | str | bytes) -> Graph:
             raise _fail(f"duplicate name '{node.name}'")
         defined.add(node.name)
         nodes.append(node)
-    output = data.get("output")
-    if not isinstance(output, str) or output not in {n.name for n in nodes}:
-        raise _fail(f"output {output!r} is not a node")
-    loss = _parse_loss(data.get("loss"), output, targets)
-    graph = Graph(name, inputs, targets, params, buffers, tuple(nodes), output, loss)
-    infer_shapes(graph)
-    return graph
+    return nodes
 
 
 # ---------------------------------------------------------------- shape inference
@@ -408,15 +437,71 @@ def _meta_values(graph: Graph, batch: int) -> dict[str, torch.Tensor]:
     return values
 
 
-def infer_shapes(graph: Graph, batch: int = 2) -> dict[str, tuple[int, ...]]:
-    """Shape of every named value (inputs, targets, params, buffers, nodes) for ``batch`` samples.
-
-    Runs the graph on meta tensors (no data, no compute), so the shapes are exactly torch's.
-    """
+def _checked_values(graph: Graph, batch: int) -> dict[str, torch.Tensor]:
     values = _meta_values(graph, batch)
     pred, target = values[graph.loss.inputs[0]], values[graph.loss.inputs[1]]
     try:
         ops.check_loss_shapes(graph.loss.op, pred, target)
     except ValueError as exc:
         raise _fail(f"loss ({graph.loss.op}): {exc}") from None
-    return {name: tuple(v.shape) for name, v in values.items()}
+    return values
+
+
+def infer_shapes(graph: Graph, batch: int = INFER_BATCH) -> dict[str, tuple[int, ...]]:
+    """Shape of every named value (inputs, targets, params, buffers, nodes) for ``batch`` samples.
+
+    Runs the graph on meta tensors (no data, no compute), so the shapes are exactly torch's.
+    """
+    return {name: tuple(v.shape) for name, v in _checked_values(graph, batch).items()}
+
+
+# ---------------------------------------------------------------- activation memory
+
+
+@dataclass(frozen=True)
+class ActivationMemory:
+    """Bytes of activations per sample, from the inferred shapes: the interpreters (runtime.py and the
+    browsers' runtime.js) keep every node's output until the step ends, so the forward pass needs their
+    sum, and training about twice that (a gradient per saved activation)."""
+
+    forward_bytes: int
+    largest_node: Node
+    largest_shape: tuple[int, ...]
+    largest_bytes: int
+
+    @property
+    def train_bytes(self) -> int:
+        return TRAIN_MEMORY_FACTOR * self.forward_bytes
+
+    def batch_within(self, budget: int, cap: int) -> int:
+        """The largest batch (1 to cap) whose forward pass fits in ``budget`` bytes."""
+        return max(1, min(cap, budget // max(self.forward_bytes, 1)))
+
+    def check(self, limit: int) -> None:
+        if self.train_bytes <= limit:
+            return
+        node = self.largest_node
+        raise _fail(f"activations need {_mib(self.train_bytes)} MiB per training sample (at most "
+                    f"{_mib(limit)} MiB); the largest is node '{node.name}' ({node.op}), "
+                    f"{_mib(self.largest_bytes)} MiB per sample (output shape "
+                    f"{list(self.largest_shape)} for a batch of {INFER_BATCH})")
+
+
+def _mib(size: int | float) -> str:
+    return f"{size / 2**20:,.0f}" if size >= 2**20 else f"{size / 2**20:.2f}"
+
+
+def _activation_from(graph: Graph, values: Mapping[str, torch.Tensor], batch: int) -> ActivationMemory:
+    # Per sample = the size at `batch` divided by it: nodes that do not depend on the batch are counted
+    # as if they did (slightly high, never low for the batch sizes that matter).
+    sizes = {n.name: math.prod(values[n.name].shape) * values[n.name].element_size() for n in graph.nodes}
+    samples = sum(math.prod(values[s.name].shape) * values[s.name].element_size()
+                  for s in (*graph.inputs, *graph.targets))
+    largest = max(graph.nodes, key=lambda n: sizes[n.name])
+    return ActivationMemory(-(-(sum(sizes.values()) + samples) // batch), largest,
+                            tuple(values[largest.name].shape), -(-sizes[largest.name] // batch))
+
+
+def activation_memory(graph: Graph) -> ActivationMemory:
+    """Activation memory of a loaded graph, per sample (see ActivationMemory)."""
+    return _activation_from(graph, _meta_values(graph, INFER_BATCH), INFER_BATCH)

@@ -10,7 +10,7 @@ import torch
 from torch import Tensor, nn
 
 from engine import ops
-from engine.graph import DTYPES, Graph, TensorSpec, load_graph
+from engine.graph import DTYPES, EVAL_MEMORY_BYTES, Graph, TensorSpec, activation_memory, load_graph
 
 
 def safe_attr(name: str) -> str:
@@ -184,6 +184,8 @@ def evaluate(
     module = GraphModule(graph)
     module.load_state(weights)
     module.eval()
+    # Every node's output is kept for the whole batch: bound the batch by memory, not only by count.
+    batch_size = activation_memory(module.graph).batch_within(EVAL_MEMORY_BYTES, batch_size)
     n = len(next(iter(inputs.values())))
     total_loss, correct, count = 0.0, 0, 0
     for start in range(0, n, batch_size):

@@ -10,6 +10,7 @@ from django.contrib.auth.models import User
 from django.http import HttpRequest, HttpResponse
 from django.shortcuts import redirect, render
 
+from frontend.throttle import SIGNUP_REFUSED, signup_counted, signup_refused
 from projects.selectors import TEST_ACCURACY, project_latest_metrics, project_list_running
 from workers.accounts import volunteer_create
 from workers.selectors import (
@@ -35,11 +36,16 @@ def home(request: HttpRequest) -> HttpResponse:
 def signup(request: HttpRequest) -> HttpResponse:
     if request.user.is_authenticated:
         return redirect("contribute")
-    form: UserCreationForm[User] = UserCreationForm(request.POST or None)
-    if request.method == "POST" and form.is_valid():
+    posted = request.method == "POST"
+    form: UserCreationForm[User] = UserCreationForm(request.POST if posted else None)
+    if posted and signup_refused(request):
+        form.add_error(None, SIGNUP_REFUSED)
+        return render(request, "registration/signup.html", {"form": form}, status=429)
+    if posted and form.is_valid():
         volunteer = volunteer_create(
             username=form.cleaned_data["username"], password=form.cleaned_data["password1"]
         )
+        signup_counted(request)
         login(request, volunteer.user, backend="django.contrib.auth.backends.ModelBackend")
         return redirect("contribute")
     return render(request, "registration/signup.html", {"form": form})

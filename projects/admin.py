@@ -165,7 +165,7 @@ PROJECT_ADD_FIELDSETS = [
     (
         "Model",
         {
-            "fields": ["model_source", "preset", "graph_file", "weights_file"],
+            "fields": ["model_source", "preset", "graph_file", "weights_file", "max_activation_mb"],
             "description": "A preset architecture, or your own model exported with "
             "<code>manage.py export_model</code> (graph.json + weights.safetensors).",
         },
@@ -186,7 +186,9 @@ PROJECT_PROGRESS_FIELDS = (
     "latest_test_accuracy",
     "metrics_chart",
 )
-PROJECT_MODEL_FIELDS = ("owner", "dataset", "preset", "graph_link", "flops", "data_cursor", "created_at")
+PROJECT_MODEL_FIELDS = (
+    "owner", "dataset", "preset", "graph_link", "flops", "max_activation_mb", "data_cursor", "created_at"
+)
 
 
 @admin.register(Project)

@@ -1,14 +1,22 @@
-"""Content-addressed blob storage on the local filesystem (MEDIA_ROOT/blobs/ab/abcdef...)."""
+"""Content-addressed blob storage on the local filesystem (MEDIA_ROOT/blobs/ab/abcdef...), and who may read
+which blob."""
 
 from __future__ import annotations
 
+import enum
 import hashlib
 import os
 import tempfile
+from urllib.parse import urlencode
 
 from django.conf import settings
+from django.contrib.auth import get_user_model
+from django.contrib.auth.models import AnonymousUser, User
+from django.core.signing import BadSignature, SignatureExpired, TimestampSigner
+from django.db import models
+from django.db.models import Exists, OuterRef, Q
 
-from projects.models import Blob
+from projects.models import Blob, DatasetShard, ModelVersion, Project, Result, WorkUnit
 
 
 def blob_put(*, data: bytes, content_type: str = "application/octet-stream") -> Blob:
@@ -26,3 +34,96 @@ def blob_put(*, data: bytes, content_type: str = "application/octet-stream") -> 
         sha256=sha, defaults={"size": len(data), "content_type": content_type}
     )
     return blob
+
+
+# --- who may download which blob (served by projects/blob_server.py) ---------------------------------
+#
+# Public, cached by browsers and proxies for a year: the graph and weights of a running or finished project,
+# which every volunteer fetches. A dataset shard goes to the volunteer an assign message sent it to, through
+# a signed URL that expires and works only while the project runs: the path is the blob's (clients cache by
+# it), the grant is in the query. Shards, uploads, references and optimizer state also go to their owner and
+# to superusers (the admin's links, by session). An invalid (rejected) upload goes to nobody. Blobs are
+# content-addressed, so one row may play several parts: it is public only through a graph or weights
+# reference, and readable through any reference that allows it.
+
+GRANT = "grant"  # the query parameter of a shard's signed URL
+MAX_GRANT_CHARS = 200  # a real one is about 60
+LIVE = (Project.Status.RUNNING, Project.Status.FINISHED)
+
+
+class Access(enum.Enum):
+    PUBLIC = "public"  # anyone; cacheable
+    GRANTED = "granted"  # the holder of a valid grant; never cached
+    EXPIRED = "expired"  # a genuine grant, too old
+    REFUSED = "refused"  # a forged grant, or one for a shard no longer handed out
+    SESSION = "session"  # neither public nor granted: up to the session's user (blob_readable)
+
+
+def _signer() -> TimestampSigner:
+    return TimestampSigner(salt="crowdtrain.blobs.shard")
+
+
+def shard_url(*, sha256: str, user_id: int, project_id: int) -> str:
+    """The URL of a dataset shard for `user_id` working on `project_id`."""
+    grant = _signer().sign(f"{sha256}:{user_id}.{project_id}")[len(sha256) + 1 :]
+    return f"/blobs/{sha256}?{urlencode({GRANT: grant})}"
+
+
+def blob_access(*, sha256: str, grant: str | None) -> tuple[Blob | None, Access]:
+    """The blob named `sha256` (None if unknown) and how the request may have it."""
+    live_graph = Project.objects.filter(graph=OuterRef("pk"), status__in=LIVE)
+    live_weights = ModelVersion.objects.filter(
+        Q(weights=OuterRef("pk")) | Q(wire_weights=OuterRef("pk")), project__status__in=LIVE
+    )
+    blobs = Blob.objects.annotate(live_graph=Exists(live_graph), live_weights=Exists(live_weights))
+    blob = blobs.filter(pk=sha256).first()
+    if blob is None:
+        return None, Access.SESSION
+    if blob.live_graph or blob.live_weights:
+        return blob, Access.PUBLIC
+    return blob, Access.SESSION if grant is None else _granted(sha256=sha256, grant=grant)
+
+
+def _granted(*, sha256: str, grant: str) -> Access:
+    if len(grant) > MAX_GRANT_CHARS:
+        return Access.REFUSED
+    try:
+        value = _signer().unsign(f"{sha256}:{grant}", max_age=settings.CROWDTRAIN_SHARD_URL_SECONDS)
+    except SignatureExpired:
+        return Access.EXPIRED
+    except BadSignature:
+        return Access.REFUSED
+    user_id, project_id = value[len(sha256) + 1 :].split(".")  # as we signed it
+    handed_out = DatasetShard.objects.filter(
+        blob_id=sha256, dataset__projects__pk=project_id, dataset__projects__status=Project.Status.RUNNING
+    ).exists()
+    active = get_user_model().objects.filter(pk=user_id, is_active=True).exists()
+    return Access.GRANTED if handed_out and active else Access.REFUSED
+
+
+# Every row that refers to a blob: (model, its field, the path to the owner of the row).
+_REFERENCES: tuple[tuple[type[models.Model], str, str], ...] = (
+    (DatasetShard, "blob", "dataset__owner"),
+    (Project, "graph", "owner"),
+    (ModelVersion, "weights", "project__owner"),
+    (ModelVersion, "wire_weights", "project__owner"),
+    (ModelVersion, "optimizer_state", "project__owner"),
+    (WorkUnit, "reference", "project__owner"),
+    (Result, "blob", "work_unit__project__owner"),
+)
+
+
+def blob_readable(*, sha256: str, user: User | AnonymousUser) -> Blob | None:
+    """The blob, if `user` is active staff and it is referred to by a row they own (any row, for superusers)
+    other than a rejected upload."""
+    if not (user.is_active and user.is_staff):
+        return None
+    for model, field, owner in _REFERENCES:
+        rows = model._default_manager.filter(**{field: sha256})
+        if model is Result:
+            rows = rows.exclude(validation=Result.Validation.INVALID)
+        if not user.is_superuser:
+            rows = rows.filter(**{owner: user})
+        if rows.exists():
+            return Blob.objects.filter(pk=sha256).first()
+    return None

@@ -13,10 +13,10 @@ from django.core.files.uploadedfile import UploadedFile
 from django.db import transaction
 
 from engine import codecs
-from engine.graph import Graph, GraphError, infer_shapes, load_graph
+from engine.graph import MAX_ACTIVATION_BYTES, Graph, GraphError, activation_memory, infer_shapes, load_graph
 from engine.presets import PRESETS
 from projects.datasets import DatasetError, ParsedDataset, dataset_create, dataset_parse_npz
-from projects.models import Dataset, Project
+from projects.models import DEFAULT_MAX_ACTIVATION_MB, Dataset, Project
 from projects.services import TRAINING_SETTINGS, project_create, project_create_from_graph
 
 MAX_GRAPH_BYTES = 2 * 2**20
@@ -29,12 +29,15 @@ def preset_choices() -> list[tuple[str, str]]:
 
 
 def parse_upload(upload: UploadedFile) -> ParsedDataset:
-    """Read and validate an uploaded .npz; the size is checked before anything is read."""
+    """Validate an uploaded .npz; the size is checked before anything is read. The file is parsed where
+    Django put it (on disk above FILE_UPLOAD_MAX_MEMORY_SIZE), never read into memory whole."""
     limit = settings.CROWDTRAIN["MAX_DATASET_BYTES"]
     if upload.size is not None and upload.size > limit:
         raise forms.ValidationError(f"The file is {upload.size:,} bytes; the limit is {limit:,} bytes.")
+    if upload.file is None:
+        raise forms.ValidationError("The upload is empty.")
     try:
-        return dataset_parse_npz(data=upload.read())
+        return dataset_parse_npz(data=upload.file)
     except DatasetError as exc:
         raise forms.ValidationError(str(exc)) from exc
 
@@ -67,9 +70,13 @@ def parse_graph_upload(upload: UploadedFile) -> Graph:
 
 
 def parse_weights_upload(upload: UploadedFile) -> Tensors:
-    """safetensors only, through engine.codecs: nothing uploaded is ever unpickled (no torch.load)."""
+    """safetensors only, through engine.codecs: nothing uploaded is ever unpickled (no torch.load).
+    The header's declared length is checked from its first 8 bytes, before the file is read."""
+    max_header = settings.CROWDTRAIN["MAX_TENSOR_HEADER_BYTES"]
     try:
-        return codecs.decode(read_limited(upload, settings.CROWDTRAIN["MAX_RESULT_BYTES"]))[0]
+        codecs.check_header_length(upload.read(8), max_header)
+        upload.seek(0)
+        return codecs.decode(read_limited(upload, settings.CROWDTRAIN["MAX_RESULT_BYTES"]), max_header)[0]
     except codecs.CodecError as exc:
         raise forms.ValidationError(f"Not a usable safetensors file: {exc}") from exc
 
@@ -155,10 +162,15 @@ class ProjectAddForm(forms.ModelForm):
     dataset_name = forms.CharField(
         max_length=200, required=False, help_text="Name of the uploaded dataset (default: the file name)."
     )
+    max_activation_mb = forms.IntegerField(
+        label="Max activation MiB", required=False, min_value=1, max_value=MAX_ACTIVATION_BYTES // 2**20,
+        help_text=f"{Project._meta.get_field('max_activation_mb').help_text} Default "
+        f"{DEFAULT_MAX_ACTIVATION_MB}.",
+    )
 
     class Meta:
         model = Project
-        fields = ["name", "description", *TRAINING_SETTINGS]
+        fields = ["name", "description", "max_activation_mb", *TRAINING_SETTINGS]
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -174,6 +186,9 @@ class ProjectAddForm(forms.ModelForm):
     def uploads_model(self) -> bool:
         # Blank counts as "preset": forms posted before the choice existed keep working.
         return self.cleaned_data.get("model_source") == SOURCE_UPLOAD
+
+    def clean_max_activation_mb(self) -> int:
+        return self.cleaned_data.get("max_activation_mb") or DEFAULT_MAX_ACTIVATION_MB
 
     def clean_graph_file(self) -> UploadedFile | None:
         upload = self.cleaned_data.get("graph_file")
@@ -214,8 +229,20 @@ class ProjectAddForm(forms.ModelForm):
         problem = weights_mismatch(graph=self.graph, weights=self.weights)
         if problem:
             self.add_error("weights_file", problem)
+        elif not self._activations_fit(self.graph, cleaned.get("max_activation_mb")):
+            return
         else:
             self._check_graph_fits(self.graph, cleaned.get("dataset") or self.parsed)
+
+    def _activations_fit(self, graph: Graph, max_mb: int | None) -> bool:
+        if max_mb is None:
+            return False  # reported on its field
+        try:
+            activation_memory(graph).check(max_mb * 2**20)
+        except GraphError as exc:
+            self.add_error("graph_file", f"The model is too large for this project: {exc}")
+            return False
+        return True
 
     def _check_graph_fits(self, graph: Graph, source: Dataset | ParsedDataset | None) -> None:
         if source is None:
@@ -246,6 +273,7 @@ class ProjectAddForm(forms.ModelForm):
             "description": data["description"],
             "dataset": data["dataset"] or self._store_upload(owner=owner),
             "settings": {key: data[key] for key in TRAINING_SETTINGS},
+            "max_activation_mb": data["max_activation_mb"],
         }
         if not self.uploads_model:
             return project_create(preset=data["preset"], **common)

@@ -10,14 +10,17 @@ here, when an instance is sent, whether it is checked: always for volunteers not
 (`target_results` = `min_quorum` = 2), so one more instance goes to a different volunteer.
 
 Lock order, to keep concurrent transactions free of deadlocks: instances in flight, then their work
-units, then received results (validation.py takes the work unit before its results too).
+units, then received results (validation.py takes the work unit before its results too). Rows are locked
+FOR NO KEY UPDATE: Django's foreign keys are checked at COMMIT with a KEY SHARE lock on the referenced row,
+which a plain FOR UPDATE blocks. (A validation creating a CreditEntry for a project whose row the step held
+FOR UPDATE, while the step waited for the validation's work unit, deadlocked.)
 """
 
 from __future__ import annotations
 
 import random
 from dataclasses import dataclass
-from datetime import timedelta
+from datetime import datetime, timedelta
 from functools import partial
 
 from django.conf import settings
@@ -39,6 +42,13 @@ MAX_IN_FLIGHT = 2
 # empty; or the broker was down when daphne queued it). The transitioner queues it again.
 VALIDATION_RETRY_SECONDS = 30
 VALIDATION_RETRY_BATCH = 20  # per transitioner run: a long genuine backlog must not grow by much
+# A received result the server still could not validate this long after arrival (its validations keep
+# failing for the server's own reasons: see validation.INFRASTRUCTURE_ERRORS) is given up: late, neither
+# credit nor penalty. Its round stops waiting for it then (training.py), so a round always closes.
+VALIDATION_GIVE_UP_SECONDS = 300
+GAVE_UP = "the server could not validate this result"
+# Client-reported timings are stored in 32-bit columns; elapsed time bounds them long before this.
+MAX_REPORTED_MS = 2**31 - 1
 
 
 class ResultError(ValueError):
@@ -68,7 +78,7 @@ class ResultOutcome:
 def work_units_feed(*, project_id: int) -> int:
     """Keep one round of work ready for a running project's current version (the BOINC feeder)."""
     with transaction.atomic():
-        project = Project.objects.select_for_update().get(pk=project_id)
+        project = Project.objects.select_for_update(no_key=True).get(pk=project_id)
         if not project.is_running:
             return 0
         version = project.current_version()
@@ -151,7 +161,7 @@ def _check_drawn(*, project: Project, user: User) -> bool:
 
 def _next_open_work_unit(*, user: User) -> WorkUnit | None:
     return (
-        WorkUnit.objects.select_for_update(skip_locked=True, of=("self",))
+        WorkUnit.objects.select_for_update(skip_locked=True, of=("self",), no_key=True)
         .filter(status=WorkUnit.Status.OPEN, wanted__gt=0, project__status=Project.Status.RUNNING)
         .exclude(results__volunteer=user)
         .select_related(
@@ -189,29 +199,66 @@ def result_receive(
     compute_ms: int,
     download_ms: int = 0,
     payload: bytes,
+    model_version: int | None = None,
 ) -> ResultOutcome:
-    """Store a volunteer's update and queue it for validation. Duplicates and late results are harmless."""
+    """Store a volunteer's update and queue it for validation. Duplicates and late results are harmless.
+    An update claiming another model version than its work unit's is invalid at once (`model_version`
+    None: not claimed)."""
     if len(payload) > settings.CROWDTRAIN["MAX_RESULT_BYTES"]:
         raise ResultError("too_large", "The update is larger than this server accepts.")
     with transaction.atomic():
         result = _result_for(user=user, work_unit_id=work_unit_id)
         if result.status != Result.Status.IN_PROGRESS:
             return result_outcome(result=result)
-        result.status = Result.Status.RECEIVED
-        result.received_at = timezone.now()
-        result.samples, result.loss = samples, loss
-        result.compute_ms, result.download_ms = max(0, compute_ms), max(0, download_ms)
-        result.blob = blob_put(data=payload)
-        result.save()
-    transaction.on_commit(lambda: notify.result_received(result_id=result.pk))
+        _record_arrival(
+            result=result, samples=samples, loss=loss, compute_ms=compute_ms, download_ms=download_ms
+        )
+        wrong_version = _version_problem(result=result, model_version=model_version)
+        if wrong_version:
+            result.save()
+            _refuse(result=result, reason=wrong_version)
+        else:
+            result.blob = blob_put(data=payload)
+            result.save()
+            transaction.on_commit(lambda: notify.result_received(result_id=result.pk))
     # Read it back: with eager tasks (tests) validation has already run inside on_commit.
     return result_outcome(result=Result.objects.select_related("credit").get(pk=result.pk))
 
 
+def _record_arrival(*, result: Result, samples: int, loss: float, compute_ms: int, download_ms: int) -> None:
+    """The client's timings are its word only: a device can never claim more time than the server saw the
+    instance out (they drive the device's speed and the dashboard's compute share, never credit)."""
+    result.status = Result.Status.RECEIVED
+    result.received_at = timezone.now()
+    result.samples, result.loss = samples, loss
+    out_ms = int((result.received_at - result.sent_at).total_seconds() * 1000)
+    bound = max(0, min(out_ms, MAX_REPORTED_MS))
+    result.compute_ms, result.download_ms = min(max(0, compute_ms), bound), min(max(0, download_ms), bound)
+
+
+def _version_problem(*, result: Result, model_version: int | None) -> str:
+    expected = result.work_unit.version.number
+    if model_version is None or model_version == expected:
+        return ""
+    return f"computed on model version {model_version}, but the work unit is on version {expected}"
+
+
+def _refuse(*, result: Result, reason: str) -> None:
+    """Invalid without validation (its own words give it away): as validation.py's verdicts, no credit,
+    trust reset and the slice wanted again; its volunteer hears it like any verdict."""
+    from projects.validation import result_invalidate  # validation builds on this module
+
+    result.work_unit = (
+        WorkUnit.objects.select_for_update(no_key=True).select_related("project").get(pk=result.work_unit_id)
+    )
+    result_invalidate(result=result, reason=reason)
+    transaction.on_commit(lambda: notify.results_decided(result_ids=[result.pk]))
+
+
 def _result_for(*, user: User, work_unit_id: int) -> Result:
     result = (
-        Result.objects.select_for_update(of=("self",))
-        .select_related("work_unit")
+        Result.objects.select_for_update(of=("self",), no_key=True)
+        .select_related("work_unit__version")
         .filter(work_unit_id=work_unit_id, volunteer=user)
         .first()
     )
@@ -272,21 +319,49 @@ def results_unvalidated() -> list[int]:
     Queuing one again is harmless: result_validate decides a result once and ignores it afterwards.
     Results that passed their checks and wait for their work unit's quorum are not lost, only waiting."""
     cutoff = timezone.now() - timedelta(seconds=VALIDATION_RETRY_SECONDS)
-    return list(
-        Result.objects.filter(
-            status=Result.Status.RECEIVED,
-            validation=Result.Validation.PENDING,
-            checked=False,
-            received_at__lt=cutoff,
-        )
-        .order_by("received_at")
-        .values_list("pk", flat=True)[:VALIDATION_RETRY_BATCH]
-    )
+    return list(_unvalidated(received_before=cutoff).values_list("pk", flat=True)[:VALIDATION_RETRY_BATCH])
+
+
+def results_give_up() -> list[int]:
+    """Received results still unvalidated VALIDATION_GIVE_UP_SECONDS after arrival (the server kept
+    failing to judge them) are late: no credit, no penalty, their slice is wanted again and their volunteers
+    are told. Returns their ids. Without this the transitioner would queue them again forever."""
+    cutoff = timezone.now() - timedelta(seconds=VALIDATION_GIVE_UP_SECONDS)
+    stuck = _unvalidated(received_before=cutoff)[:VALIDATION_RETRY_BATCH]
+    return [pk for pk in stuck.values_list("pk", flat=True) if _give_up(result_id=pk)]
+
+
+def _unvalidated(*, received_before: datetime) -> QuerySet[Result]:
+    """Received results not judged yet and not waiting for a quorum either, oldest first."""
+    return Result.objects.filter(
+        status=Result.Status.RECEIVED,
+        validation=Result.Validation.PENDING,
+        checked=False,
+        received_at__lt=received_before,
+    ).order_by("received_at")
+
+
+def _give_up(*, result_id: int) -> bool:
+    with transaction.atomic():
+        work_unit_id = Result.objects.values_list("work_unit_id", flat=True).get(pk=result_id)
+        # Skipped if being validated right now (validation holds its work unit): the next run decides.
+        work_units = WorkUnit.objects.select_for_update(skip_locked=True, no_key=True)
+        if not work_units.filter(pk=work_unit_id).exists():
+            return False
+        unvalidated = _unvalidated(received_before=timezone.now()).select_for_update(no_key=True)
+        result = unvalidated.filter(pk=result_id).first()
+        if result is None:
+            return False  # decided meanwhile
+        result.status, result.reason = Result.Status.CANCELLED, GAVE_UP
+        result.save(update_fields=["status", "reason"])
+        _reopen(work_unit=result.work_unit, failed=False)
+        transaction.on_commit(lambda: notify.results_decided(result_ids=[result_id]))
+    return True
 
 
 def _in_progress(condition: Q) -> list[Result]:
     return list(
-        Result.objects.select_for_update(of=("self",))
+        Result.objects.select_for_update(of=("self",), no_key=True)
         .select_related("work_unit")
         .filter(condition, status=Result.Status.IN_PROGRESS)
         .order_by("pk")
@@ -294,7 +369,7 @@ def _in_progress(condition: Q) -> list[Result]:
 
 
 def _reopen(*, work_unit: WorkUnit, failed: bool) -> None:
-    work_unit = WorkUnit.objects.select_for_update().get(pk=work_unit.pk)
+    work_unit = WorkUnit.objects.select_for_update(no_key=True).get(pk=work_unit.pk)
     if not work_unit.is_open:
         return
     if failed:
@@ -317,7 +392,7 @@ def work_unit_fail(*, work_unit: WorkUnit) -> None:
 def results_awaiting_quorum(*, work_unit_ids: list[int]) -> QuerySet[Result]:
     """Locked, oldest first: results that passed their own checks and wait for their work unit's quorum."""
     return (
-        Result.objects.select_for_update(of=("self",))
+        Result.objects.select_for_update(of=("self",), no_key=True)
         .filter(
             work_unit_id__in=work_unit_ids,
             status=Result.Status.RECEIVED,

@@ -6,7 +6,13 @@ import json
 from pathlib import Path
 
 from django.conf import settings
+from django.core.validators import MaxValueValidator, MinValueValidator
 from django.db import models
+
+from engine.graph import MAX_ACTIVATION_BYTES
+
+# A project's default bound on activations per training sample: 4x what the largest preset needs.
+DEFAULT_MAX_ACTIVATION_MB = 64
 
 
 class Blob(models.Model):
@@ -148,6 +154,12 @@ class Project(models.Model):
     trust_threshold = models.PositiveIntegerField(
         default=5, help_text="Consecutive valid results after which a volunteer is trusted."
     )
+    max_activation_mb = models.PositiveIntegerField(
+        default=DEFAULT_MAX_ACTIVATION_MB,
+        validators=[MinValueValidator(1), MaxValueValidator(MAX_ACTIVATION_BYTES // 2**20)],
+        help_text="Refuse models whose activations need more MiB than this per training sample (every node's "
+        "output, twice for the backward pass; ResNet-18 on 32x32 needs 16).",
+    )
     max_versions = models.PositiveIntegerField(default=100000, help_text="Stop after this many steps.")
     priority = models.PositiveIntegerField(default=1)
     # Next training sample to hand out; work units walk the training split in order, epoch after epoch.
@@ -175,6 +187,10 @@ class Project(models.Model):
                 batch=self.local_batch_size, lr=self.local_learning_rate, momentum=self.local_momentum
             )
         return json.dumps(recipe, sort_keys=True)
+
+    @property
+    def max_activation_bytes(self) -> int:
+        return self.max_activation_mb * 2**20
 
     def current_version(self) -> ModelVersion:
         return self.versions.order_by("-number").first()  # type: ignore[return-value]

@@ -22,6 +22,7 @@ from projects.blobs import blob_put
 from projects.datasets import dataset_load_split
 from projects.lifecycle import work_units_cancel
 from projects.models import (
+    DEFAULT_MAX_ACTIVATION_MB,
     Blob,
     Dataset,
     DatasetShard,
@@ -72,6 +73,7 @@ def project_create(
     preset: str,
     description: str = "",
     settings: dict[str, Any] | None = None,
+    max_activation_mb: int = DEFAULT_MAX_ACTIVATION_MB,
 ) -> Project:
     """Build the model from a preset, check it fits the dataset, and publish version 0."""
     graph_dict, weights = export_preset(preset)
@@ -84,6 +86,7 @@ def project_create(
         preset=preset,
         description=description,
         settings=settings,
+        max_activation_mb=max_activation_mb,
     )
 
 
@@ -97,8 +100,9 @@ def project_create_from_graph(
     preset: str = "",
     description: str = "",
     settings: dict[str, Any] | None = None,
+    max_activation_mb: int = DEFAULT_MAX_ACTIVATION_MB,
 ) -> Project:
-    graph = _graph_for_dataset(graph_dict=graph_dict, dataset=dataset)
+    graph = _graph_for_dataset(graph_dict=graph_dict, dataset=dataset, max_activation_mb=max_activation_mb)
     with transaction.atomic():
         project = Project.objects.create(
             owner=owner,
@@ -106,6 +110,7 @@ def project_create_from_graph(
             description=description,
             dataset=dataset,
             preset=preset,
+            max_activation_mb=max_activation_mb,
             graph=blob_put(data=graph_to_json(graph), content_type="application/json"),
             flops_per_sample=train_flops_per_sample(graph),
             **{key: value for key, value in (settings or {}).items() if key in TRAINING_SETTINGS},
@@ -114,9 +119,9 @@ def project_create_from_graph(
     return project
 
 
-def _graph_for_dataset(*, graph_dict: dict[str, Any], dataset: Dataset) -> Graph:
+def _graph_for_dataset(*, graph_dict: dict[str, Any], dataset: Dataset, max_activation_mb: int) -> Graph:
     try:
-        graph = load_graph(graph_dict)
+        graph = load_graph(graph_dict, max_activation_bytes=max_activation_mb * 2**20)
     except GraphError as exc:
         raise ProjectError(f"Invalid model graph: {exc}") from exc
     sample_shape = list(graph.inputs[0].shape[1:])
@@ -149,14 +154,15 @@ def project_pause(*, project: Project) -> Project:
 
 
 def project_graph(*, project: Project) -> Graph:
-    return _graph_from_blob(sha256=project.graph_id)
+    return _graph_from_blob(sha256=project.graph_id, max_activation_bytes=project.max_activation_bytes)
 
 
 @lru_cache(maxsize=32)
-def _graph_from_blob(*, sha256: str) -> Graph:
+def _graph_from_blob(*, sha256: str, max_activation_bytes: int) -> Graph:
     # Graph blobs are immutable and content-addressed: validation, spot checks and aggregation all need the
     # parsed graph, so parse (and shape-check) each one once per process instead of once per call.
-    return load_graph(Blob.objects.get(pk=sha256).read())
+    # The project's activation bound applies here too: no task ever runs a graph too large for it.
+    return load_graph(Blob.objects.get(pk=sha256).read(), max_activation_bytes=max_activation_bytes)
 
 
 # --- versions -------------------------------------------------------------------------------------

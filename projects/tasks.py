@@ -25,7 +25,9 @@ def feed_work_units() -> int:
 @shared_task
 def transition() -> int:
     """The BOINC transitioner: time out late instances, resend their work, close expired rounds,
-    and validate results whose validation message was lost (the database, not the queue, is the truth)."""
+    validate results whose validation message was lost (the database, not the queue, is the truth), and give
+    up on those that could not be validated for too long."""
+    lifecycle.results_give_up()
     for result_id in lifecycle.results_unvalidated():
         validate_result.delay(result_id)
     expired = lifecycle.results_expire()
@@ -37,7 +39,16 @@ def transition() -> int:
     return len(project_ids)
 
 
-@shared_task
+# A validation failing for the server's own reasons (database or broker down, blob unreadable) is retried
+# with backoff, 1 s doubling to 30 s; past that the transitioner queues it again until
+# lifecycle.VALIDATION_GIVE_UP_SECONDS, then gives it up. Any other failure is the result's: it is invalid.
+@shared_task(
+    autoretry_for=validation.INFRASTRUCTURE_ERRORS,
+    max_retries=5,
+    retry_backoff=1,
+    retry_backoff_max=30,
+    retry_jitter=True,
+)
 def validate_result(result_id: int) -> str:
     return str(validation.result_validate(result_id=result_id).validation)
 

@@ -21,7 +21,7 @@ from django.utils import timezone
 
 from engine import aggregate, codecs
 from projects import notify
-from projects.lifecycle import work_units_cancel, work_units_feed
+from projects.lifecycle import VALIDATION_GIVE_UP_SECONDS, work_units_cancel, work_units_feed
 from projects.models import ModelVersion, Project, Result, WorkUnit
 from projects.services import project_graph, version_publish, version_weights
 
@@ -32,7 +32,7 @@ TRIM = 0.2
 def project_step(*, project_id: int, force: bool = False) -> ModelVersion | None:
     """Publish the next version if the current round is complete (or `force`d after its timeout)."""
     with transaction.atomic():
-        project = Project.objects.select_for_update().get(pk=project_id)
+        project = Project.objects.select_for_update(no_key=True).get(pk=project_id)
         current = project.current_version()
         results = list(_pending(project=project, current=current))
         if not results or not _round_complete(project=project, current=current, results=results, force=force):
@@ -78,18 +78,21 @@ def _round_complete(*, project: Project, current: ModelVersion, results: list[Re
     # Every result received while the round was open is judged before it closes, whether the round met its
     # target or timed out: closing first would cancel them as "late" (no credit, no verdict on their merits)
     # although they were on time, and which verdict a result got would depend on which worker ran first.
-    # Each decision asks for the step again, and lost validations are retried, so the wait is bounded.
+    # Each decision asks for the step again, and the wait is bounded (_awaiting_validation).
     return (target_met or expired) and not _awaiting_validation(current)
 
 
 def _awaiting_validation(current: ModelVersion) -> bool:
     # Results that passed their checks and wait for a replica do not hold the round: the replica may never
-    # come. Closing the round cancels them as late.
+    # come. Closing the round cancels them as late. Nor do results the server has failed to judge for
+    # VALIDATION_GIVE_UP_SECONDS (the transitioner gives them up), so a round always closes in the end.
+    recent = timezone.now() - timedelta(seconds=VALIDATION_GIVE_UP_SECONDS)
     return Result.objects.filter(
         work_unit__version=current,
         status=Result.Status.RECEIVED,
         validation=Result.Validation.PENDING,
         checked=False,
+        received_at__gte=recent,
     ).exists()
 
 

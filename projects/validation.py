@@ -17,6 +17,10 @@ replication). A project spot-checks one of two ways (`Project.spot_check_by`):
   canonical result; results agreeing with it are valid, the others invalid. Without a quorum one more
   instance is sent, until `max_total_results` (then the work unit is errored and its samples fed anew).
 
+A result whose judging raises (a crafted header, an overflowing number, anything the checks did not
+foresee) is invalid, so no upload can stall its round; a failure of the server's own (database, broker,
+disk) is retried instead, and given up without penalty after lifecycle.VALIDATION_GIVE_UP_SECONDS.
+
 Only canonical results are aggregated (training.py): a replicated slice counts once. A result that arrives
 after its work unit was decided is judged against the canonical result but never aggregated. Valid results
 earn credit from server-side FLOPs, each of them; invalid ones earn nothing and reset trust.
@@ -24,11 +28,14 @@ earn credit from server-side FLOPs, each of them; invalid ones earn nothing and 
 
 from __future__ import annotations
 
+import logging
 import math
 from statistics import median
 
+import kombu.exceptions
+import redis.exceptions
 import torch
-from django.db import transaction
+from django.db import InterfaceError, OperationalError, transaction
 from django.db.models import F
 
 from engine import codecs
@@ -45,6 +52,17 @@ from workers.models import Device, Volunteer
 from workers.services import credit_grant, volunteer_ensure
 
 Tensors = dict[str, torch.Tensor]
+logger = logging.getLogger(__name__)
+# The server's own failures, not the result's: judging is retried (tasks.validate_result), and a result
+# still undecided after lifecycle.VALIDATION_GIVE_UP_SECONDS is given up without penalty. OSError covers a
+# blob file missing or unreadable on disk.
+INFRASTRUCTURE_ERRORS: tuple[type[BaseException], ...] = (
+    OperationalError,
+    InterfaceError,
+    redis.exceptions.RedisError,
+    kombu.exceptions.OperationalError,
+    OSError,
+)
 # Relative L2 distance to the reference (the server's recomputation, or another volunteer's result) that
 # still counts as the same update. int8 with error feedback carries the previous work units' residual, so it
 # needs the widest margin; attacks (sign flips, scaling, noise, replays) land at 1.0 or more.
@@ -69,17 +87,41 @@ def result_validate(*, result_id: int) -> Result:
         # run one at a time however many workers there were.
         work_unit_id = Result.objects.values_list("work_unit_id", flat=True).get(pk=result_id)
         work_unit = (
-            WorkUnit.objects.select_for_update(of=("self",))
+            WorkUnit.objects.select_for_update(of=("self",), no_key=True)
             .select_related("project", "version", "shard__blob", "reference")
             .get(pk=work_unit_id)
         )
-        result = Result.objects.select_for_update(of=("self",)).select_related("blob").get(pk=result_id)
+        locked = Result.objects.select_for_update(of=("self",), no_key=True)
+        result = locked.select_related("blob").get(pk=result_id)
         if result.status != Result.Status.RECEIVED or result.validation != Result.Validation.PENDING:
             return result
         result.work_unit = work_unit
-        decided = _judge(result)
+        decided = _judge_or_invalidate(result)
     # Late results get their verdict too, so no volunteer waits for an answer that never comes.
     transaction.on_commit(lambda: notify.results_decided(result_ids=[r.pk for r in decided]))
+    return result
+
+
+def _judge_or_invalidate(result: Result) -> list[Result]:
+    """Judge `result`; if judging it raises anything but a failure of the server's own (database, broker,
+    disk: the task retries those), the result is invalid. Otherwise one crafted upload (a header nested
+    100,000 deep, an overflowing number) would fail its validation forever and hold its round open."""
+    try:
+        with transaction.atomic():  # a savepoint: nothing a failed judgement did half-way is kept
+            return _judge(result)
+    except INFRASTRUCTURE_ERRORS:
+        raise
+    except Exception as exc:
+        logger.warning("result %s could not be validated: %s", result.pk, type(exc).__name__)
+        result = _relocked(result_id=result.pk)
+        result_invalidate(result=result, reason=f"could not be validated: {type(exc).__name__}")
+        return [result]
+
+
+def _relocked(*, result_id: int) -> Result:
+    """The result and its work unit as the database has them (both locked by this transaction already)."""
+    result = Result.objects.select_related("blob").get(pk=result_id)
+    result.work_unit = WorkUnit.objects.select_related("project", "version").get(pk=result.work_unit_id)
     return result
 
 
@@ -94,7 +136,7 @@ def _judge(result: Result) -> list[Result]:
         return [result]
     reason, params = _own_problem(result)
     if reason:
-        _invalidate(result=result, reason=reason)
+        result_invalidate(result=result, reason=reason)
         return [result]
     result.checked = True
     if work_unit.status == WorkUnit.Status.VALIDATED:
@@ -104,7 +146,7 @@ def _judge(result: Result) -> list[Result]:
         return _quorum(work_unit=work_unit, result=result, update=params)
     reason = _spot_check(result=result, update=params)
     if reason:
-        _invalidate(result=result, reason=reason)
+        result_invalidate(result=result, reason=reason)
     else:
         _validate(result=result)
         _settle(work_unit=work_unit, canonical=result)
@@ -364,8 +406,9 @@ def _judge_against_canonical(*, result: Result, update: Tensors) -> Result:
 # --- verdicts -------------------------------------------------------------------------------------
 
 
-def _invalidate(*, result: Result, reason: str) -> None:
-    """Invalid: no credit, trust reset, and another instance of an open work unit is wanted."""
+def result_invalidate(*, result: Result, reason: str) -> None:
+    """Invalid: no credit, trust reset, and another instance of an open work unit is wanted. The caller
+    holds the locks of the result and of its work unit (`result.work_unit`)."""
     _reject(result=result, reason=reason)
     if result.work_unit.is_open:
         work_unit_fail(work_unit=result.work_unit)
@@ -399,6 +442,6 @@ def _settle(*, work_unit: WorkUnit, canonical: Result) -> None:
 def _observe_device(*, result: Result, flops: int) -> None:
     if result.device_id is None:
         return
-    device = Device.objects.select_for_update().get(pk=result.device_id)
+    device = Device.objects.select_for_update(no_key=True).get(pk=result.device_id)
     device.observe(flops=flops, compute_ms=result.compute_ms)
     device.save(update_fields=["observed_gflops", "compute_ms"])

@@ -1,13 +1,23 @@
-"""The volunteer WebSocket: parse frames, call services, send replies. No training logic lives here."""
+"""The volunteer WebSocket: parse frames, call services, send replies. No training logic lives here.
+
+Whatever a client sends, the consumer answers and stays up: a frame that breaks the protocol gets an
+`error`, and so does one that hits a bug (logged once). A crash would skip disconnect(), leaving work units
+held, the device "connected" and a dead channel in the broadcast group."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import random
+from collections.abc import Awaitable
 from typing import Any
 
+from asgiref.sync import sync_to_async
+from autobahn.exception import Disconnected
 from channels.generic.websocket import AsyncWebsocketConsumer
+from django.conf import settings
+from redis.exceptions import RedisError
 
 from crowdtrain.db import database_sync_to_async
 from projects import notify
@@ -18,12 +28,14 @@ from projects.lifecycle import (
     results_release,
     work_unit_assign,
 )
-from workers import protocol
+from workers import limits, protocol
 from workers.models import Device
 from workers.protocol import ProtocolError, ResultMeta
 from workers.services import device_disconnect, device_register
 
+logger = logging.getLogger(__name__)
 UNAUTHENTICATED = 4401
+THROTTLED = 4429
 
 
 class VolunteerConsumer(AsyncWebsocketConsumer):
@@ -34,6 +46,7 @@ class VolunteerConsumer(AsyncWebsocketConsumer):
         self.greeted = False
         self.waiting = False
         self.joined = False
+        self.refused = False
         self.device: Device | None = None
 
     async def connect(self) -> None:
@@ -41,47 +54,109 @@ class VolunteerConsumer(AsyncWebsocketConsumer):
         if self.user is None or not self.user.is_authenticated:
             await self.close(code=UNAUTHENTICATED)
             return
+        if not await self._connect_allowed():
+            await self._refuse()
+            return
+        self.joined = True  # before joining: a join that fails half-way is still undone by disconnect()
         for group in self._groups():
             await self.channel_layer.group_add(group, self.channel_name)
-        self.joined = True
         await self.accept()
 
+    async def _connect_allowed(self) -> bool:
+        address = (self.scope.get("client") or [None])[0]
+        try:
+            allowed: bool = await sync_to_async(limits.connect_allowed, thread_sensitive=False)(
+                user_id=self.user.pk, address=address
+            )
+        except (RedisError, OSError):
+            # Redis is down: the channel layer fails on its own; the throttle does not lock everyone out.
+            logger.warning("connect throttle unavailable (Redis down?); letting %s in", address)
+            return True
+        return allowed
+
+    async def _refuse(self) -> None:
+        # Accepted first: a browser sees no close code (only 1006) for a refused handshake.
+        self.refused = True
+        await self.accept()
+        message = "Too many connections in the last minute; wait a minute before reconnecting."
+        await self.send_json(protocol.error_message("throttled", message))
+        await self.close(code=THROTTLED)
+
     async def disconnect(self, code: int) -> None:
-        if not self.joined:
-            return
-        for group in self._groups():
-            await self.channel_layer.group_discard(group, self.channel_name)
-        if self.device is not None:
-            await database_sync_to_async(device_disconnect)(device_id=self.device.pk)
-        released = await database_sync_to_async(results_release)(
-            user=self.user, work_unit_ids=list(self.assigned)
-        )
+        """Every step is tried whatever became of the others; running twice does nothing the second time."""
+        joined, device, held = self.joined, self.device, list(self.assigned)
+        self.joined, self.device, self.assigned, self.pending = False, None, set(), None
+        for group in self._groups() if joined else []:
+            await self._attempt("leave a group", self.channel_layer.group_discard(group, self.channel_name))
+        if device is not None:
+            disconnecting = database_sync_to_async(device_disconnect)(device_id=device.pk)
+            await self._attempt("disconnect a device", disconnecting)
+        if held:
+            await self._attempt("release work units", self._release(held))
+
+    async def _release(self, work_unit_ids: list[int]) -> None:
+        released = await database_sync_to_async(results_release)(user=self.user, work_unit_ids=work_unit_ids)
         if released:
             await self.channel_layer.group_send(notify.VOLUNTEERS_GROUP, {"type": "work.available"})
+
+    async def _attempt(self, what: str, step: Awaitable[None]) -> None:
+        try:
+            await step
+        except Exception:
+            logger.exception("volunteer %s: could not %s on disconnect", self.user.pk, what)
 
     def _groups(self) -> list[str]:
         return [notify.VOLUNTEERS_GROUP, notify.user_group(self.user.pk)]
 
     async def receive(self, text_data: str | None = None, bytes_data: bytes | None = None) -> None:
+        if self.refused:
+            return
+        if not await self._guarded(self._handle(text_data, bytes_data)):
+            self.pending = None  # whatever it announced is void: its tensors will not be stored
+
+    async def _handle(self, text_data: str | None, bytes_data: bytes | None) -> None:
+        if bytes_data is not None:
+            await self.on_tensors(bytes_data)
+            return
+        message = protocol.parse_message(text_data or "")
+        if message.type != "hello" and not self.greeted:
+            raise ProtocolError("protocol", "Say hello first.")
+        await getattr(self, f"on_{message.type}")(message)
+
+    async def _guarded(self, step: Awaitable[None]) -> bool:
+        """Run one frame's (or event's) handling; any failure becomes an `error` reply, never a crash."""
         try:
-            if bytes_data is not None:
-                await self.on_tensors(bytes_data)
-                return
-            message = protocol.parse_message(text_data or "")
-            if message["type"] != "hello" and not self.greeted:
-                raise ProtocolError("protocol", "Say hello first.")
-            await getattr(self, f"on_{message['type']}")(message)
+            await step
         except ProtocolError as exc:
-            await self.send_json(protocol.error_message(exc.code, str(exc)))
+            await self.send_json(protocol.error_message(exc.code, str(exc), work_unit=exc.work_unit))
+        except Exception:
+            logger.exception("volunteer %s: unexpected error while handling a message", self.user.pk)
+            message = "The server failed to handle that message (it is logged); carry on with the next one."
+            await self.send_json(protocol.error_message("server_error", message))
+            return False
+        return True
 
     async def send_json(self, message: dict[str, Any]) -> None:
-        await self.send(text_data=json.dumps(message))
+        try:
+            await self.send(text_data=json.dumps(message))
+        except Disconnected:
+            # The client went away while we answered: nobody to tell, and disconnect() follows to clean up.
+            logger.debug("volunteer %s left before a reply could be sent", self.user.pk)
 
     # --- client messages --------------------------------------------------------------------------
 
-    async def on_hello(self, message: dict[str, Any]) -> None:
-        device = protocol.parse_hello(message)
-        self.device = await database_sync_to_async(device_register)(user=self.user, device=device)
+    async def on_hello(self, message: protocol.Hello) -> None:
+        info = protocol.hello_device(message)
+        previous = self.device
+        self.device = await database_sync_to_async(device_register)(
+            user=self.user,
+            client_id=info.id,
+            backend=info.backend,
+            gflops=info.gflops or 0.0,
+            user_agent=info.user_agent,
+        )
+        if previous is not None and previous.pk != self.device.pk:  # a second hello, as another device
+            await database_sync_to_async(device_disconnect)(device_id=previous.pk)
         volunteer = self.device.volunteer
         self.greeted = True
         await self.send_json(
@@ -92,7 +167,7 @@ class VolunteerConsumer(AsyncWebsocketConsumer):
             }
         )
 
-    async def on_ready(self, message: dict[str, Any]) -> None:
+    async def on_ready(self, message: protocol.Ready | None = None) -> None:
         if len(self.assigned) >= MAX_IN_FLIGHT:
             raise ProtocolError("busy", f"Finish a work unit first: at most {MAX_IN_FLIGHT} at a time.")
         result = await database_sync_to_async(work_unit_assign)(user=self.user, device=self.device)
@@ -101,22 +176,25 @@ class VolunteerConsumer(AsyncWebsocketConsumer):
             await self.send_json({"type": "idle"})
             return
         self.waiting = False
-        self.assigned.add(result.work_unit_id)
+        self.assigned.add(result.work_unit_id)  # first: if the reply fails, disconnect still releases it
         await self.send_json(protocol.assign_message(result))
 
-    async def on_progress(self, message: dict[str, Any]) -> None:
+    async def on_progress(self, message: protocol.Progress) -> None:
         """Heartbeats keep the connection alive; deadlines are enforced by the transitioner."""
 
-    async def on_result(self, message: dict[str, Any]) -> None:
-        self.pending = protocol.parse_result(message)
+    async def on_result(self, message: protocol.ResultMessage) -> None:
+        if self.pending is not None:
+            self.pending = None
+            raise ProtocolError(
+                "bad_message", "Send each result's binary frame before the next result: both are dropped."
+            )
+        self.pending = protocol.result_meta(message)
 
-    async def on_bye(self, message: dict[str, Any]) -> None:
+    async def on_bye(self, message: protocol.Bye) -> None:
         await self.close()
 
     async def on_tensors(self, payload: bytes) -> None:
-        meta, self.pending = self.pending, None
-        if meta is None:
-            raise ProtocolError("bad_message", "A binary frame must follow a result message.")
+        meta = self._claim_pending(len(payload))
         try:
             outcome = await database_sync_to_async(result_receive)(
                 user=self.user,
@@ -126,11 +204,29 @@ class VolunteerConsumer(AsyncWebsocketConsumer):
                 compute_ms=meta.compute_ms,
                 download_ms=meta.download_ms,
                 payload=payload,
+                model_version=meta.model_version,
             )
         except ResultError as exc:
-            raise ProtocolError(exc.code, str(exc)) from exc
+            raise ProtocolError(exc.code, str(exc), work_unit=meta.work_unit) from exc
+        finally:
+            limits.RESULT_BYTES.give_back(len(payload))
         self.assigned.discard(meta.work_unit)
         await self.send_json(protocol.ack_message(outcome))
+
+    def _claim_pending(self, size: int) -> ResultMeta:
+        """The result these bytes belong to, once they fit this server's limits (then held in the budget)."""
+        meta, self.pending = self.pending, None
+        if meta is None:
+            raise ProtocolError("bad_message", "A binary frame must follow a result message.")
+        if size > settings.CROWDTRAIN["MAX_RESULT_BYTES"]:
+            raise ProtocolError(
+                "too_large", "The update is larger than this server accepts.", work_unit=meta.work_unit
+            )
+        if not limits.result_bytes_take(size):
+            raise ProtocolError(
+                "busy", "The server is busy with other uploads: retry later.", work_unit=meta.work_unit
+            )
+        return meta
 
     # --- channel-layer events ---------------------------------------------------------------------
 
@@ -140,7 +236,7 @@ class VolunteerConsumer(AsyncWebsocketConsumer):
             # new work out instead of always serving the same volunteers first.
             await asyncio.sleep(random.uniform(0, 0.05))
             if self.waiting and len(self.assigned) < MAX_IN_FLIGHT:
-                await self.on_ready({})
+                await self._guarded(self.on_ready())
 
     async def result_decided(self, event: dict[str, Any]) -> None:
         await self.send_json(protocol.credit_message(event))

@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import secrets
 from datetime import datetime
 
 from django.conf import settings
 from django.db import models
+from django.utils import timezone
+
+MAX_BIGINT = 2**63 - 1
+MAX_OBSERVED_MS = 2**31 - 1  # what one result's compute time can be stored as (projects.Result.compute_ms)
 
 
 class Team(models.Model):
@@ -34,34 +39,68 @@ class Volunteer(models.Model):
         return self.consecutive_valid >= threshold
 
 
+def server_client_id() -> str:
+    """For devices the server creates itself; the colon keeps them apart from browsers' ids."""
+    return f"server:{secrets.token_hex(8)}"
+
+
 class Device(models.Model):
+    """One browser (or simulator) of a volunteer, kept across its connections."""
+
     volunteer = models.ForeignKey(Volunteer, on_delete=models.CASCADE, related_name="devices")
+    # The browser's own random id; "unknown:<backend>" for clients that send none (one per backend).
+    client_id = models.CharField(max_length=64, default=server_client_id)
     backend = models.CharField(max_length=20)
     gflops = models.FloatField(default=0.0, help_text="Measured by the browser's benchmark.")
     observed_gflops = models.FloatField(default=0.0, help_text="Server-side FLOPs / reported compute time.")
     compute_ms = models.PositiveBigIntegerField(default=0, help_text="Time spent computing accepted work.")
+    connected_at = models.DateTimeField(default=timezone.now, help_text="Start of the latest connection.")
     disconnected_at = models.DateTimeField(null=True, blank=True)
+    online_ms = models.PositiveBigIntegerField(default=0, help_text="Connected time of earlier connections.")
     user_agent = models.CharField(max_length=300, blank=True)
     last_seen = models.DateTimeField(auto_now=True)
     created_at = models.DateTimeField(auto_now_add=True)
 
+    class Meta:
+        constraints = [
+            models.UniqueConstraint(fields=["volunteer", "client_id"], name="device_one_row_per_browser")
+        ]
+
     def connected_ms(self, *, now: datetime) -> int:
-        end = self.disconnected_at or now
-        return max(0, int((end - self.created_at).total_seconds() * 1000))
+        """All connections' time together; the time between them (the browser was away) does not count."""
+        if self.disconnected_at is not None:
+            return self.online_ms
+        return self.online_ms + max(0, int((now - self.connected_at).total_seconds() * 1000))
+
+    def reconnect(self, *, backend: str, gflops: float, user_agent: str, now: datetime) -> None:
+        """A new connection: bank the time so far (a second tab's connection may still be open) and take
+        the browser's fresh description."""
+        self.online_ms = self.connected_ms(now=now)
+        self.connected_at, self.disconnected_at = now, None
+        self.backend, self.gflops, self.user_agent = backend, gflops, user_agent[:300]
+
+    def disconnect(self, *, now: datetime) -> None:
+        if self.disconnected_at is None:
+            self.online_ms = self.connected_ms(now=now)
+            self.disconnected_at = now
 
     def speed_gflops(self) -> float:
         """Observed throughput once known; the browser's own benchmark until then."""
         return self.observed_gflops or self.gflops or 1.0
 
     def observe(self, *, flops: int, compute_ms: int) -> None:
-        if compute_ms <= 0:
+        """One accepted result's server-side FLOPs over its compute time. Callers bound the time by the
+        time the work was out (lifecycle.result_receive); the bounds here keep a bad value finite and
+        within the 64-bit column anyway."""
+        if compute_ms <= 0 or flops <= 0:
             return
-        measured = flops / (compute_ms * 1e6)
+        compute_ms = min(compute_ms, MAX_OBSERVED_MS)
+        measured = min(flops, MAX_BIGINT) / (compute_ms * 1e6)
         # An exponential average: recent work units count most, one odd sample does not swing sizing.
         self.observed_gflops = (
             measured if not self.observed_gflops else 0.7 * self.observed_gflops + 0.3 * measured
         )
-        self.compute_ms += compute_ms
+        self.compute_ms = min(self.compute_ms + compute_ms, MAX_BIGINT)
 
 
 class CreditEntry(models.Model):

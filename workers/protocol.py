@@ -1,24 +1,113 @@
-"""The volunteer WebSocket protocol (docs/protocol.md): parsing client frames, building server frames."""
+"""The volunteer WebSocket protocol (docs/protocol.md): parsing client frames, building server frames.
+
+Every client message is validated by a schema: strict types (no bools for numbers, no floats for integers,
+no NaN or Infinity anywhere), bounds that fit the database columns, bounded strings without NUL characters;
+unknown fields are ignored. Anything else is a ProtocolError, answered with an `error` message."""
 
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Annotated, Any, Literal, NoReturn
 
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError
+
+from projects.blobs import shard_url
 from projects.lifecycle import ResultOutcome
 from projects.models import Result
 
 PROTOCOL_VERSION = 1
 MAX_TEXT_FRAME = 64 * 1024
-CLIENT_TYPES = {"hello", "ready", "progress", "result", "bye"}
+MAX_COUNT = 2**31 - 1  # work unit ids, versions and samples fit PostgreSQL's integer columns
+MAX_MILLIS = 7 * 24 * 3600 * 1000  # no work unit takes a week
+MAX_GFLOPS = 1e9
+MAX_ERRORS_SHOWN = 3
 
 
 class ProtocolError(ValueError):
-    def __init__(self, code: str, message: str) -> None:
+    def __init__(self, code: str, message: str, *, work_unit: int | None = None) -> None:
         super().__init__(message)
         self.code = code
+        self.work_unit = work_unit
+
+
+def _storable(text: str) -> str:
+    # PostgreSQL refuses NUL characters and lone surrogates (from JSON "\ud800") cannot be encoded.
+    if "\x00" in text:
+        raise ValueError("NUL characters are not allowed")
+    text.encode("utf-8")  # UnicodeEncodeError is a ValueError
+    return text
+
+
+Count = Annotated[int, Field(ge=0, le=MAX_COUNT)]
+Millis = Annotated[int, Field(ge=0, le=MAX_MILLIS)]
+Fraction = Annotated[float, Field(ge=0.0, le=1.0, allow_inf_nan=False)]
+Backend = Annotated[str, Field(min_length=1, max_length=20), AfterValidator(_storable)]
+UserAgent = Annotated[str, Field(max_length=1000), AfterValidator(_storable)]
+DeviceId = Annotated[str, Field(pattern=r"^[A-Za-z0-9_-]{8,64}$")]
+
+
+class _Schema(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True, frozen=True)
+
+
+class DeviceInfo(_Schema):
+    id: DeviceId | None = None  # random, kept by the browser: one Device row per browser
+    backend: Backend = "unknown"
+    # null: a browser's benchmark that came out non-finite (JSON.stringify(Infinity) is null).
+    gflops: Annotated[float, Field(ge=0.0, le=MAX_GFLOPS, allow_inf_nan=False)] | None = None
+    memory_mb: Annotated[float, Field(ge=0.0, le=MAX_COUNT, allow_inf_nan=False)] | None = None
+    user_agent: UserAgent = ""
+
+
+class Preferences(_Schema):
+    max_work_units: Count | None = None
+
+
+class Hello(_Schema):
+    type: Literal["hello"]
+    protocol: Count
+    device: DeviceInfo = DeviceInfo()
+    preferences: Preferences = Preferences()
+
+
+class Ready(_Schema):
+    type: Literal["ready"]
+
+
+class Progress(_Schema):
+    type: Literal["progress"]
+    work_unit: Count
+    fraction: Fraction = 0.0
+
+
+class Timings(_Schema):
+    download_ms: Millis = 0
+    compute_ms: Millis = 0
+
+
+class ResultMessage(_Schema):
+    type: Literal["result"]
+    work_unit: Count
+    model_version: Count
+    samples: Count
+    loss: Annotated[float, Field(allow_inf_nan=False)]
+    timings: Timings = Timings()
+
+
+class Bye(_Schema):
+    type: Literal["bye"]
+
+
+ClientMessage = Hello | Ready | Progress | ResultMessage | Bye
+SCHEMAS: dict[str, type[ClientMessage]] = {
+    "hello": Hello,
+    "ready": Ready,
+    "progress": Progress,
+    "result": ResultMessage,
+    "bye": Bye,
+}
+CLIENT_TYPES = set(SCHEMAS)
 
 
 @dataclass(frozen=True)
@@ -31,47 +120,58 @@ class ResultMeta:
     download_ms: int
 
 
-def parse_message(text: str) -> dict[str, Any]:
+def parse_message(text: str) -> ClientMessage:
     if len(text) > MAX_TEXT_FRAME:
         raise ProtocolError("too_large", "Text frames are limited to 64 KiB.")
-    try:
-        message = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise ProtocolError("bad_message", f"Not JSON: {exc.msg}.") from exc
-    if not isinstance(message, dict) or message.get("type") not in CLIENT_TYPES:
+    raw = _load_json(text)
+    kind = raw.get("type") if isinstance(raw, dict) else None
+    schema = SCHEMAS.get(kind) if isinstance(kind, str) else None
+    if schema is None:
         raise ProtocolError("bad_message", f"Expected an object with a type in {sorted(CLIENT_TYPES)}.")
-    return message
-
-
-def parse_hello(message: dict[str, Any]) -> dict[str, Any]:
-    if message.get("protocol") != PROTOCOL_VERSION:
-        raise ProtocolError("protocol", f"This server speaks protocol {PROTOCOL_VERSION}.")
-    device = message.get("device")
-    return device if isinstance(device, dict) else {}
-
-
-def parse_result(message: dict[str, Any]) -> ResultMeta:
-    timings = message.get("timings") if isinstance(message.get("timings"), dict) else {}
     try:
-        meta = ResultMeta(
-            work_unit=_int(message["work_unit"]),
-            model_version=_int(message["model_version"]),
-            samples=_int(message["samples"]),
-            loss=float(message["loss"]),
-            compute_ms=_int(timings.get("compute_ms", 0)),  # type: ignore[union-attr]
-            download_ms=_int(timings.get("download_ms", 0)),  # type: ignore[union-attr]
-        )
-    except (KeyError, TypeError, ValueError) as exc:
-        raise ProtocolError("bad_message", f"Malformed result: {exc}.") from exc
-    if not math.isfinite(meta.loss):
-        raise ProtocolError("bad_message", "The loss must be a finite number.")
-    return meta
+        return schema.model_validate(raw)
+    except ValidationError as exc:
+        raise ProtocolError("bad_message", f"Malformed {kind}: {_describe(exc)}.") from None
 
 
-def _int(value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or int(value) != value or value < 0:
-        raise ValueError(f"{value!r} is not a non-negative integer")
-    return int(value)
+def _load_json(text: str) -> Any:
+    try:
+        return json.loads(text, parse_constant=_no_constant)
+    except json.JSONDecodeError as exc:
+        raise ProtocolError("bad_message", f"Not JSON: {exc.msg}.") from None
+    except ValueError as exc:  # NaN / Infinity, or an integer of more than 4300 digits
+        raise ProtocolError("bad_message", f"Not JSON: {exc}.") from None
+    except RecursionError:
+        raise ProtocolError("bad_message", "Not JSON: nested too deeply.") from None
+
+
+def _no_constant(name: str) -> NoReturn:
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def _describe(exc: ValidationError) -> str:
+    """Where and what, without echoing the input back."""
+    errors = exc.errors(include_url=False, include_input=False)
+    shown = [f"{'.'.join(str(part) for part in error['loc'])}: {error['msg']}" for error in errors]
+    more = f" (and {len(shown) - MAX_ERRORS_SHOWN} more)" if len(shown) > MAX_ERRORS_SHOWN else ""
+    return "; ".join(shown[:MAX_ERRORS_SHOWN])[:500] + more
+
+
+def hello_device(message: Hello) -> DeviceInfo:
+    if message.protocol != PROTOCOL_VERSION:
+        raise ProtocolError("protocol", f"This server speaks protocol {PROTOCOL_VERSION}.")
+    return message.device
+
+
+def result_meta(message: ResultMessage) -> ResultMeta:
+    return ResultMeta(
+        work_unit=message.work_unit,
+        model_version=message.model_version,
+        samples=message.samples,
+        loss=message.loss,
+        compute_ms=message.timings.compute_ms,
+        download_ms=message.timings.download_ms,
+    )
 
 
 def assign_message(result: Result) -> dict[str, Any]:
@@ -87,7 +187,14 @@ def assign_message(result: Result) -> dict[str, Any]:
             "graph_url": project.graph.url,
             "weights_url": work_unit.version.download.url,
             "shards": [
-                {"url": work_unit.shard.blob.url, "offset": work_unit.offset, "count": work_unit.count}
+                {
+                    # Signed for this volunteer and project, and expiring: shards are not public.
+                    "url": shard_url(
+                        sha256=work_unit.shard.blob_id, user_id=result.volunteer_id, project_id=project.pk
+                    ),
+                    "offset": work_unit.offset,
+                    "count": work_unit.count,
+                }
             ],
             "batch_size": project.batch_size,
             "local": {
@@ -119,5 +226,7 @@ def credit_message(event: dict[str, Any]) -> dict[str, Any]:
     return {"type": "credit", **{key: event[key] for key in keys}}
 
 
-def error_message(code: str, message: str) -> dict[str, Any]:
-    return {"type": "error", "code": code, "message": message}
+def error_message(code: str, message: str, *, work_unit: int | None = None) -> dict[str, Any]:
+    """`work_unit` names the result a refusal is about, so the client knows which one to send again."""
+    extra = {} if work_unit is None else {"work_unit": work_unit}
+    return {"type": "error", "code": code, "message": message, **extra}

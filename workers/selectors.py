@@ -82,8 +82,9 @@ def leaderboard(*, limit: int = 100) -> QuerySet[Volunteer]:
 
 
 def compute_share(*, hours: int = 24) -> float | None:
-    """Share of connected time that volunteers' devices spent computing valid work (None: no devices)."""
+    """Share of connected time that volunteers' devices spent computing valid work (None: no devices).
+    Devices are kept across reconnections, so recent ones are those seen lately, not created lately."""
     now = timezone.now()
-    devices = Device.objects.filter(created_at__gte=now - timedelta(hours=hours))
+    devices = Device.objects.filter(last_seen__gte=now - timedelta(hours=hours))
     connected = sum(device.connected_ms(now=now) for device in devices)
     return sum(device.compute_ms for device in devices) / connected if connected else None

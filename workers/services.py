@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from django.contrib.auth.models import User
+from django.db import transaction
 from django.db.models import F
 from django.utils import timezone
 
@@ -31,24 +32,44 @@ def credit_grant(*, user: User, result: Result, flops: int) -> CreditEntry:
     return entry
 
 
-def device_register(*, user: User, device: dict[str, Any]) -> Device:
-    """Record the device a volunteer connects with; the numbers are hints for scheduling, never for credit."""
+KNOWN_BACKENDS = {"webgpu", "webgl", "wasm", "cpu", "simulator"}
+# Browsers a volunteer may have; beyond it, new ids share the backend's "unknown" device, so that hellos
+# with made-up ids cannot grow the table without bound.
+MAX_DEVICES_PER_VOLUNTEER = 32
+
+
+def device_register(
+    *, user: User, client_id: str | None, backend: str, gflops: float, user_agent: str
+) -> Device:
+    """The device a volunteer connects with, one row per browser across its connections. Its numbers are
+    hints for scheduling, never for credit."""
     volunteer = volunteer_ensure(user=user)
-    return Device.objects.create(
-        volunteer=volunteer,
-        backend=str(device.get("backend", "unknown"))[:20],
-        gflops=_finite_float(device.get("gflops")),
-        user_agent=str(device.get("user_agent", ""))[:300],
-    )
+    key = _device_key(volunteer=volunteer, client_id=client_id, backend=backend)
+    now = timezone.now()
+    with transaction.atomic():
+        device, _ = Device.objects.select_for_update(no_key=True).get_or_create(
+            volunteer=volunteer, client_id=key, defaults={"connected_at": now, "disconnected_at": now}
+        )
+        device.reconnect(backend=backend, gflops=gflops, user_agent=user_agent, now=now)
+        device.save()
+    device.volunteer = volunteer  # the consumer reads it from async code: no lazy query there
+    return device
 
 
-def _finite_float(value: Any) -> float:
-    try:
-        number = float(value)
-    except (TypeError, ValueError):
-        return 0.0
-    return number if 0.0 <= number < 1e9 else 0.0
+def _device_key(*, volunteer: Volunteer, client_id: str | None, backend: str) -> str:
+    devices = Device.objects.filter(volunteer=volunteer)
+    if client_id is not None and (
+        devices.filter(client_id=client_id).exists()
+        # Ids the server made up contain a colon (browsers' cannot): they do not count.
+        or devices.exclude(client_id__contains=":").count() < MAX_DEVICES_PER_VOLUNTEER
+    ):
+        return client_id
+    return f"unknown:{backend if backend in KNOWN_BACKENDS else 'other'}"
 
 
 def device_disconnect(*, device_id: int) -> None:
-    Device.objects.filter(pk=device_id, disconnected_at=None).update(disconnected_at=timezone.now())
+    with transaction.atomic():
+        device = Device.objects.select_for_update(no_key=True).filter(pk=device_id).first()
+        if device is not None and device.disconnected_at is None:
+            device.disconnect(now=timezone.now())
+            device.save(update_fields=["online_ms", "disconnected_at"])

@@ -23,6 +23,8 @@ import logging
 import math
 import random
 import re
+import secrets
+import struct
 import time
 import urllib.parse
 import urllib.request
@@ -45,12 +47,15 @@ from engine.runtime import compute_gradients, local_steps
 logger = logging.getLogger(__name__)
 
 PROTOCOL_VERSION = 1
-BYZANTINE = ("none", "scaled", "sign_flip", "random", "nan", "stale_replay")
+BYZANTINE = ("none", "scaled", "sign_flip", "random", "nan", "stale_replay", "poison")
+# "poison" sends these in turn for its own work units (issue 9): a result must never stall validation.
+POISONS = ("deep_header", "nan", "wrong_shape", "version_lie", "huge_compute_ms")
 VERDICTS = ("valid", "invalid", "late")  # final statuses; "pending" in an ack means a `credit` follows
 CSRF_RE = re.compile(r'name="csrfmiddlewaretoken" value="([^"]+)"')
 Tensors = dict[str, torch.Tensor]
 
 
+THROTTLED_WAIT_S = 20.0  # after a connect refused with 4429 (the server counts connects per minute)
 MAX_RETRIES = 8  # consecutive reconnects without a single ack before the volunteer gives up
 
 
@@ -214,19 +219,21 @@ class Http:
 
 
 class BlobCache:
-    """Immutable blobs by URL, least recently used evicted first (weights change every version)."""
+    """Immutable blobs by URL path, least recently used evicted first (weights change every version). The
+    path names the content; a shard's query is a grant signed afresh for every work unit."""
 
     def __init__(self, max_entries: int = 64) -> None:
         self.max_entries = max_entries
         self.entries: OrderedDict[str, bytes] = OrderedDict()
 
     def get(self, url: str) -> bytes | None:
-        if url in self.entries:
-            self.entries.move_to_end(url)
-        return self.entries.get(url)
+        key = urllib.parse.urlsplit(url).path
+        if key in self.entries:
+            self.entries.move_to_end(key)
+        return self.entries.get(key)
 
     def put(self, url: str, data: bytes) -> None:
-        self.entries[url] = data
+        self.entries[urllib.parse.urlsplit(url).path] = data
         while len(self.entries) > self.max_entries:
             self.entries.popitem(last=False)
 
@@ -257,6 +264,26 @@ def tamper(grads: Tensors, behaviour: str, generator: torch.Generator) -> Tensor
     if behaviour == "nan":
         return {n: torch.full_like(g, float("nan")) for n, g in grads.items()}
     return grads
+
+
+def poison(update: Tensors, kind: str, codec: str) -> bytes:
+    """The tensors of a poisoned result; version_lie and huge_compute_ms lie in the message instead."""
+    if kind == "deep_header":  # a safetensors header nested 100,000 deep (RecursionError in a parser)
+        return struct.pack("<Q", 200_000) + b"[" * 100_000 + b"]" * 100_000
+    if kind == "nan":  # fp32 whatever the codec: int8 cannot carry NaN
+        return codecs.encode({n: torch.full_like(g, float("nan")) for n, g in update.items()}, "fp32")
+    if kind == "wrong_shape":
+        return codecs.encode({n: torch.zeros(*g.shape, 2) for n, g in update.items()}, codec)
+    return codecs.encode(update, codec)
+
+
+def poison_claims(kind: str, unit_version: int) -> dict[str, Any]:
+    """What a poisoned result message claims instead of the truth."""
+    if kind == "version_lie":
+        return {"model_version": unit_version + 999}
+    if kind == "huge_compute_ms":
+        return {"timings": {"download_ms": 0, "compute_ms": 2**63 - 1}}
+    return {}
 
 
 def honest_update(graph: Graph, weights: Tensors, x: torch.Tensor, y: torch.Tensor, unit: Unit
@@ -298,6 +325,9 @@ class Simulator:
         self.replay: bytes | None = None  # the first payload, resubmitted by stale_replay
         self.awaiting: set[int] = set()  # results sent, verdict not yet known
         self.verdict_arrived = asyncio.Event()
+        # Like a browser's id in localStorage: one Device on the server across this simulator's reconnects.
+        self.device_id = f"sim-{secrets.token_hex(12)}"
+        self.throttled = False  # the server refused the last connect for now
         self.session: _Session | None = None
         self.stopped = False
         self.started = time.monotonic()
@@ -415,6 +445,11 @@ class Simulator:
     async def _reconnect_later(self, exc: BaseException) -> None:
         if self.finished():
             return
+        if self.throttled:  # too many connects this minute (close 4429): not a failure, just wait
+            self.throttled = False
+            logger.info("%s: connects throttled; waiting %.0f s", self.config.username, THROTTLED_WAIT_S)
+            await asyncio.sleep(THROTTLED_WAIT_S * (0.75 + self.random.random() / 2))
+            return
         self.retries += 1
         if self.retries > MAX_RETRIES:
             raise SimulatorError(f"{self.config.username}: gave up after {MAX_RETRIES} reconnects") from exc
@@ -480,6 +515,7 @@ class _Session:
             logger.warning("%s: server error %s", self.stats.username, message)
             if message.get("code") == "busy":
                 self.requested = False
+            self.sim.throttled = self.sim.throttled or message.get("code") == "throttled"
         elif kind == "assign":
             self.requested = False
             self.inbox.put_nowait(message)
@@ -502,8 +538,8 @@ class _Session:
     async def _hello(self) -> None:
         config = self.sim.config
         await self.send({"type": "hello", "protocol": PROTOCOL_VERSION,
-                         "device": {"backend": "simulator", "gflops": config.gflops,
-                                    "user_agent": "crowdtrain-simulator"},
+                         "device": {"id": self.sim.device_id, "backend": "simulator",
+                                    "gflops": config.gflops, "user_agent": "crowdtrain-simulator"},
                          "preferences": {"max_work_units": config.max_work_units}})
         welcome = await self._next()
         if welcome["type"] != "welcome":
@@ -618,6 +654,7 @@ class _Work:
             "type": "result", "work_unit": self.unit.id, "model_version": self.unit.model_version,
             "samples": self.unit.samples, "loss": loss,
             "timings": {"download_ms": download_ms, "compute_ms": compute_ms},
+            **(poison_claims(self._poison_kind(), self.unit.model_version) if self._poisons() else {}),
         })
         started = time.monotonic()
         await self.sim.link.pace(len(payload), started)  # the upload's emulated duration, then it lands
@@ -626,10 +663,18 @@ class _Work:
         self.sim.stats.bytes_sent += len(payload)
         self.sim.stats.work_units += 1
 
+    def _poisons(self) -> bool:
+        return self.sim.config.byzantine == "poison"
+
+    def _poison_kind(self) -> str:
+        return POISONS[self.sim.stats.work_units % len(POISONS)]  # each in turn
+
     def _payload(self, update: Tensors) -> bytes:
         behaviour = self.sim.config.byzantine
         if behaviour == "none":
             return self.sim.encode(self.unit, update)
+        if behaviour == "poison":
+            return poison(update, self._poison_kind(), self.unit.codec)
         if behaviour == "stale_replay":
             # The first result is honest; every later one resends its bytes for a different work unit.
             self.sim.replay = self.sim.replay or self.sim.encode(self.unit, update)

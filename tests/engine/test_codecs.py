@@ -179,3 +179,137 @@ def test_random_corruption_only_ever_raises_codec_error() -> None:
                 del data[pos : pos + rng.randint(1, 20)]
         with contextlib.suppress(CodecError):
             decode(bytes(data))
+
+
+# --- hostile headers (issue 9): bounded before parsing, and never anything but CodecError -------------
+
+from engine.codecs import MAX_HEADER, check_header_length, json_depth, json_loads_bounded  # noqa: E402
+
+
+@pytest.mark.parametrize(("text", "depth"), [
+    (b"", 0), (b"{}", 1), (b'[1, [2, {"a": [3]}]]', 4),
+    (b'{"a": "[[[[{{"}', 1),  # brackets inside strings do not count
+    (rb'{"a": "\"[[["}', 1),  # nor after an escaped quote
+    (rb'["\\", [[0]]]', 3),  # an escaped backslash does not escape the closing quote
+    (rb'["\\\"[[", [0]]', 2),
+    ("[[\u00e9]]", 2),
+])
+def test_json_depth_counts_nesting_outside_strings(text: bytes | str, depth: int) -> None:
+    assert json_depth(text) == depth
+    with contextlib.suppress(ValueError):  # where the text is JSON, json.loads agrees
+        loaded = json.loads(text)
+        assert _depth(loaded) == depth
+
+
+def _depth(value: object) -> int:
+    if isinstance(value, dict):
+        return 1 + max(map(_depth, value.values()), default=0)
+    if isinstance(value, list):
+        return 1 + max(map(_depth, value), default=0)
+    return 0
+
+
+def test_json_depth_scans_across_chunks() -> None:
+    text = b"[" * 5000 + b'"]]]' + b"]" * 5000
+    assert json_depth(text, chunk=7) == json_depth(text) == 5000
+
+
+def test_json_nesting_is_refused_before_parsing(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(json, "loads", lambda *a, **k: pytest.fail("parsed a too deeply nested text"))
+    with pytest.raises(ValueError, match="nested 100,000 levels deep"):
+        json_loads_bounded(b"[" * 100_000 + b"]" * 100_000)
+
+
+def test_recursion_in_the_parser_is_a_value_error_too() -> None:
+    # Should the scan ever let deep nesting through, the parser's RecursionError is still a ValueError.
+    with pytest.raises(ValueError, match="nested too deeply"):
+        json_loads_bounded(b"[" * 100_000 + b"]" * 100_000, max_depth=10**6)
+
+
+HOSTILE_HEADERS = [
+    ("the issue's frame", struct.pack("<Q", 200_000) + b"[" * 100_000 + b"]" * 100_000, "nested"),
+    ("objects nested deep", struct.pack("<Q", 60_000) + b'{"a":' * 10_000 + b"0" + b"}" * 10_000, "nested"),
+    ("89.5 MB header", struct.pack("<Q", 89_500_000) + b"{}", "89,500,000 bytes"),
+    ("2**64 - 1 header", struct.pack("<Q", 2**64 - 1) + b"{}", "at most"),
+    ("header is a list", struct.pack("<Q", 2) + b"[]", "not an object"),
+]
+
+
+def _st(header: dict[str, object], body: bytes) -> bytes:
+    raw = json.dumps(header).encode()
+    return struct.pack("<Q", len(raw)) + raw + body
+
+
+def _entry(dtype: object, shape: object, offsets: object) -> dict[str, object]:
+    return {"w": {"dtype": dtype, "shape": shape, "data_offsets": offsets}}
+
+
+HOSTILE_ENTRIES = [
+    ("shape of 4 TB in 4 bytes", _st(_entry("F32", [10**12, 1], [0, 4]), bytes(4)), "does not fit"),
+    ("negative dimension", _st(_entry("F32", [-1, 4], [0, 16]), bytes(16)), "non-negative ints"),
+    ("dimension 2**64", _st(_entry("F32", [2**64, 0], [0, 0]), b""), "non-negative ints"),
+    ("float dimension", _st(_entry("F32", [2.0], [0, 8]), bytes(8)), "non-negative ints"),
+    ("bool dimension", _st(_entry("F32", [True], [0, 4]), bytes(4)), "non-negative ints"),
+    ("17 dimensions", _st(_entry("F32", [1] * 17, [0, 4]), bytes(4)), "at most 16"),
+    ("offsets past the end", _st(_entry("F32", [2], [0, 2**40]), bytes(8)), "does not fit"),
+    ("offsets reversed", _st(_entry("F32", [0], [8, 0]), bytes(8)), "does not fit"),
+    ("one offset", _st(_entry("F32", [2], [8]), bytes(8)), "data_offsets"),
+    ("offsets a string", _st(_entry("F32", [2], "0-8"), bytes(8)), "data_offsets"),
+    ("unsupported dtype", _st(_entry("U64", [1], [0, 8]), bytes(8)), "unsupported dtype"),
+    ("dtype not a string", _st(_entry(["F32"], [1], [0, 4]), bytes(4)), "unsupported dtype"),
+    ("entry not an object", _st({"w": [1, 2]}, b""), "exactly dtype, shape and data_offsets"),
+    ("extra key", _st({"w": {"dtype": "F32", "shape": [], "data_offsets": [0, 4], "x": 1}}, bytes(4)),
+     "exactly dtype"),
+    ("unicode digit block size", _st({"__metadata__": {"codec": "int8", "block_size": "²"}}, b""),
+     "block_size"),
+    ("5,000 digit block size", _st({"__metadata__": {"block_size": "9" * 5000}}, b""), "block_size"),
+    ("metadata not strings", _st({"__metadata__": {"codec": []}}, b""), "metadata"),
+    ("too many tensors", _st({f"t{i}": {"dtype": "U8", "shape": [0], "data_offsets": [0, 0]}
+                              for i in range(10_001)}, b""), "10,001 tensors"),
+]
+
+
+@pytest.mark.parametrize(("data", "message"), [c[1:] for c in HOSTILE_HEADERS + HOSTILE_ENTRIES],
+                         ids=[c[0] for c in HOSTILE_HEADERS + HOSTILE_ENTRIES])
+def test_hostile_headers_are_codec_errors(data: bytes, message: str) -> None:
+    with pytest.raises(CodecError, match=message):
+        decode(data)
+
+
+def test_header_length_bound_is_a_parameter() -> None:
+    data = encode({"a": torch.ones(2)}, metadata={"pad": "p" * 1000})
+    assert MAX_HEADER == 16 * 2**20 and decode(data)[0]["a"].tolist() == [1.0, 1.0]
+    with pytest.raises(CodecError, match="at most 500"):
+        decode(data, max_header=500)
+    with pytest.raises(CodecError, match="at most 500"):
+        check_header_length(data[:8], 500)
+
+
+def test_a_huge_declared_header_is_refused_without_reading_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(json, "loads", lambda *a, **k: pytest.fail("parsed a header over the limit"))
+    data = struct.pack("<Q", MAX_HEADER + 1) + b" " * (MAX_HEADER + 1)
+    with pytest.raises(CodecError, match="at most 16,777,216"):
+        decode(data)
+
+
+def test_random_hostile_headers_only_ever_raise_codec_error() -> None:
+    """Seeded fuzz of headers: nesting, absurd numbers, wrong types, in every field."""
+    import random
+
+    rng = random.Random(9)
+    junk: list[object] = [None, -1, 0, 2**31, 2**63, 2**64, 10**30, 1.5, "x", "", [], {}, [0], [-1, 2],
+                          [2**64, 0], True, "F32", "I8", [0, 2**40]]
+    for _ in range(500):
+        entry = {"dtype": rng.choice(junk + ["F32", "U8"] * 3),
+                 "shape": rng.choice(junk + [[2], [1, 2]] * 3),
+                 "data_offsets": rng.choice(junk + [[0, 8]] * 3)}
+        header: dict[str, object] = {"w": rng.choice([entry, entry, rng.choice(junk)])}
+        if rng.random() < 0.3:
+            header["__metadata__"] = rng.choice(junk + [{"codec": rng.choice(junk)}])
+        raw = json.dumps(header).encode()
+        if rng.random() < 0.2:
+            depth = rng.choice([33, 1000, 50_000])
+            raw = b"[" * depth + b"]" * depth
+        length = rng.choice([len(raw)] * 5 + [0, len(raw) + 1, 2**63, rng.randrange(2**64)])
+        with contextlib.suppress(CodecError):
+            decode(struct.pack("<Q", length) + raw + bytes(rng.choice([0, 8, 16])))

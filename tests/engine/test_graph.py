@@ -184,3 +184,64 @@ def test_random_corruption_only_ever_raises_graph_error() -> None:
             parent[path[-1]] = rng.choice(junk)
         with contextlib.suppress(GraphError):
             load_graph(graph)
+
+
+# --- hostile graphs (issue 9): nesting, absurd activations, anything else is a GraphError --------------
+
+from engine.graph import (  # noqa: E402
+    EVAL_MEMORY_BYTES,
+    activation_memory,
+)
+from tests.security.uploads import activation_bomb, graph_with, nested_json  # noqa: E402
+
+
+@pytest.mark.parametrize("data", [nested_json(100_000), nested_json(50_000, "{"),
+                                  graph_with(nested_json(990)), nested_json(100_000).decode()])
+def test_deep_nesting_is_a_graph_error_not_a_recursion_error(data: bytes | str) -> None:
+    with pytest.raises(GraphError, match="nested"):
+        load_graph(data)
+
+
+def test_the_issues_activation_bomb_is_refused_at_load_naming_the_node() -> None:
+    graph = activation_bomb(features=784, side=784)  # outer: [B, 614656, 614656], 1.4 TiB per sample
+    with pytest.raises(GraphError) as info:
+        load_graph(graph)
+    message = str(info.value)
+    assert "node 'outer' (matmul)" in message and "at most 1,024 MiB" in message
+    assert "[2, 614656, 614656]" in message and "2,882,415 MiB per training sample" in message
+    assert load_graph(graph, max_activation_bytes=None).param_count() == 784 + 614656
+
+
+def test_activation_memory_sums_every_node_per_sample() -> None:
+    graph = load_graph(activation_bomb(features=4, side=10, classes=2))
+    memory = activation_memory(graph)
+    # x [4] + y (int64) + col [4, 1] + square [4, 10] + flat [40, 1] + outer [40, 40] + row [1, 40]
+    # + few [1, 2] + logits [2], float32 unless said otherwise
+    assert memory.forward_bytes == 4 * (4 + 2 + 4 + 40 + 40 + 1600 + 40 + 2 + 2)
+    assert memory.train_bytes == 2 * memory.forward_bytes
+    largest = (memory.largest_node.name, memory.largest_shape, memory.largest_bytes)
+    assert largest == ("outer", (2, 40, 40), 6400)
+    with pytest.raises(GraphError, match="node 'outer'"):
+        memory.check(memory.train_bytes - 1)
+    memory.check(memory.train_bytes)
+
+
+def test_evaluation_batches_are_bounded_by_activation_memory() -> None:
+    resnet = activation_memory(load_graph(exported("resnet18")[0]))
+    assert resnet.batch_within(EVAL_MEMORY_BYTES, 1000) == EVAL_MEMORY_BYTES // resnet.forward_bytes < 1000
+    assert activation_memory(load_graph(DOC_EXAMPLE)).batch_within(EVAL_MEMORY_BYTES, 1000) == 1000
+    assert resnet.batch_within(1, 1000) == 1
+
+
+@pytest.mark.parametrize("mutate", [
+    lambda g: g["loss"].update(op=[]),
+    lambda g: g["loss"].update(op={}),
+    lambda g: g["nodes"][0].update(inputs=[["x"], "fc1.weight", None]),
+    lambda g: g.update(output=["fc2"]),
+    lambda g: g["params"][0].update(shape=[10**400 and 2**31 - 1] * 6),
+])
+def test_unforeseen_malformations_are_graph_errors(mutate: Callable[[dict[str, Any]], Any]) -> None:
+    graph = copy.deepcopy(DOC_EXAMPLE)
+    mutate(graph)
+    with pytest.raises(GraphError):
+        load_graph(graph)

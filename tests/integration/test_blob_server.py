@@ -1,4 +1,7 @@
-"""projects/blob_server.py through the real ASGI application (the same one daphne runs)."""
+"""projects/blob_server.py through the real ASGI application (the same one daphne runs).
+
+Here every blob is made public (the graph of a running project); who may read which blob is in
+tests/security/test_blobs.py."""
 
 from __future__ import annotations
 
@@ -8,9 +11,11 @@ from typing import Any
 import pytest
 from asgiref.sync import async_to_sync
 from channels.testing import HttpCommunicator
+from django.contrib.auth.models import User
 
 from crowdtrain.asgi import application
 from projects.blobs import blob_put
+from projects.models import Blob, Dataset, Project
 
 pytestmark = pytest.mark.django_db(transaction=True)  # the lookup runs on a pool thread's own connection
 
@@ -21,9 +26,22 @@ def fetch(path: str, method: str = "GET", headers: list[tuple[bytes, bytes]] | N
     return response
 
 
+def public_put(data: bytes, content_type: str = "application/octet-stream") -> Blob:
+    blob = blob_put(data=data, content_type=content_type)
+    owner = User.objects.get_or_create(username="owner")[0]
+    dataset = Dataset.objects.create(
+        owner=owner, name="d", input_shape=[1], num_classes=2, train_samples=1, test_samples=1
+    )
+    Project.objects.create(
+        owner=owner, name=blob.sha256, dataset=dataset, graph=blob, flops_per_sample=1,
+        status=Project.Status.RUNNING,
+    )
+    return blob
+
+
 def test_blob_is_served_immutable_with_etag() -> None:
     data = b"weights!" * 200_000  # 1.6 MB: more than one chunk
-    blob = blob_put(data=data, content_type="application/octet-stream")
+    blob = public_put(data, content_type="application/octet-stream")
     response = fetch(f"/blobs/{blob.sha256}")
 
     assert response["status"] == 200 and response["body"] == data
@@ -31,15 +49,16 @@ def test_blob_is_served_immutable_with_etag() -> None:
     assert response["headers"][b"etag"] == f'"{blob.sha256}"'.encode()
     assert response["headers"][b"content-type"] == b"application/octet-stream"
     assert response["headers"][b"content-length"] == str(len(data)).encode()
+    assert response["headers"][b"x-content-type-options"] == b"nosniff"
 
 
 def test_graphs_keep_their_content_type() -> None:
-    blob = blob_put(data=b'{"nodes": []}', content_type="application/json")
+    blob = public_put(b'{"nodes": []}', content_type="application/json")
     assert fetch(f"/blobs/{blob.sha256}")["headers"][b"content-type"] == b"application/json"
 
 
 def test_revalidation_head_and_wrong_methods() -> None:
-    blob = blob_put(data=b"weights")
+    blob = public_put(b"weights")
     etag = f'"{blob.sha256}"'.encode()
 
     again = fetch(f"/blobs/{blob.sha256}", headers=[(b"if-none-match", etag)])
@@ -66,7 +85,7 @@ def test_unknown_or_malformed_blob_is_404(name: str) -> None:
 
 
 def test_blob_row_without_file_is_404() -> None:
-    blob = blob_put(data=b"soon gone")
+    blob = public_put(b"soon gone")
     blob.path.unlink()
     assert fetch(f"/blobs/{blob.sha256}")["status"] == 404
 

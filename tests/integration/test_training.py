@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import threading
+import time
 from datetime import timedelta
 from unittest import mock
 
 import pytest
 import torch
 from django.contrib.auth.models import User
+from django.db import connection, transaction
 from django.utils import timezone
 
 from projects import tasks, training
@@ -17,6 +20,7 @@ from projects.validation import recompute
 from tests.integration.volunteer import assign, receive, tampered
 from workers import protocol
 from workers.models import CreditEntry, Volunteer
+from workers.services import credit_grant
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -118,6 +122,63 @@ def test_a_round_closes_only_once_every_result_it_received_is_judged(
     version = mlp_project.current_version()  # the verdict it waited for closed the round
     assert (version.number, version.samples) == (1, 50)
     assert not CreditEntry.objects.filter(volunteer__user=other_volunteer).exists()
+
+
+def wait_for_a_lock_wait(timeout: float = 30) -> None:
+    """Until some session of this database waits for a row lock (the step, blocked on the work unit)."""
+    deadline = time.monotonic() + timeout
+    with connection.cursor() as cursor:
+        while True:
+            cursor.execute("SELECT pg_stat_clear_snapshot()")  # a transaction sees one snapshot otherwise
+            cursor.execute("SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() "
+                           "AND wait_event_type = 'Lock'")
+            if cursor.fetchone()[0]:
+                return
+            assert time.monotonic() < deadline, "the step never waited for the work unit"
+            time.sleep(0.02)
+
+
+def test_the_step_and_a_validation_crediting_the_same_project_do_not_deadlock(
+    mlp_project: Project, volunteer_user: User, other_volunteer: User
+) -> None:
+    """A validation holds its work unit and writes a CreditEntry (a foreign key to the project, checked at
+    COMMIT with a KEY SHARE lock on the project's row); the step holds the project's row and waits for that
+    work unit to cancel it. With the project locked FOR UPDATE this deadlocked (seen under the fuzzer)."""
+    assert receive(volunteer_user, assign(volunteer_user)).status == "valid"
+    straggler = assign(other_volunteer)  # its work unit is cancelled by the step
+    Project.objects.filter(pk=mlp_project.pk).update(round_samples=50)
+    locked, errors = threading.Event(), []
+
+    def validation() -> None:
+        try:
+            with transaction.atomic():
+                WorkUnit.objects.select_for_update(no_key=True).get(pk=straggler.work_unit_id)
+                credit_grant(user=other_volunteer, result=Result.objects.get(pk=straggler.pk), flops=1)
+                locked.set()
+                wait_for_a_lock_wait()
+        except Exception as exc:
+            errors.append(exc)
+        finally:
+            locked.set()
+            connection.close()
+
+    def step() -> None:
+        try:
+            locked.wait(30)
+            training.project_step(project_id=mlp_project.pk)
+        except Exception as exc:
+            errors.append(exc)
+        finally:
+            connection.close()
+
+    threads = [threading.Thread(target=validation), threading.Thread(target=step)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert errors == []
+    assert mlp_project.current_version().number == 1
+    assert WorkUnit.objects.get(pk=straggler.work_unit_id).status == WorkUnit.Status.CANCELLED
 
 
 def test_async_applies_each_update_weighted_by_staleness(

@@ -12,6 +12,10 @@
   const SOCKET_PATH = app.dataset.socketPath || "/ws/volunteer/";
   const SOCKET_URL = app.dataset.socketUrl; // optional absolute ws(s):// URL (separate WebSocket host)
   const BACKOFF_MS = [1000, 2000, 5000, 10000, 30000];
+  const THROTTLED = 4429; // close code: too many connects in the last minute (docs/protocol.md)
+  const THROTTLED_MS = 60000;
+  const BUSY_RETRY_MS = 5000; // a result refused with `busy` is sent again after this (jittered)
+  const DEVICE_ID_KEY = "crowdtrain-device-id";
   const LOG_LINES = 60;
   const MAX_IN_FLIGHT = 2;
   const SHARE_REFRESH_MS = 5000;
@@ -26,6 +30,7 @@
       asking: false, // a `ready` not yet answered by an assign (after `idle` the server still owes one)
       cancelled: new Set(), // ids whose late results must be dropped
       outbox: [], // finished results waiting for the socket to come back
+      unacked: new Map(), // id -> result sent on this connection, kept until acked (resent on `busy`)
       done: 0, rate: 0,
       engineSince: null, computeMs: 0, shareTimer: null, // for the share of time spent computing
     };
@@ -99,6 +104,28 @@
     setStatus(`Training ${wu.project.name}: ${samples} samples…${next}`, "working");
   }
 
+  // ---- device id ---------------------------------------------------------------------------------
+  // One random id per browser, kept in localStorage, so the server keeps one Device across reconnections.
+  // getRandomValues works on plain-http pages too (randomUUID needs a secure context).
+  function newDeviceId() {
+    const bytes = crypto.getRandomValues(new Uint8Array(16));
+    return Array.from(bytes, (b) => b.toString(16).padStart(2, "0")).join("");
+  }
+
+  function deviceId() {
+    try {
+      let id = localStorage.getItem(DEVICE_ID_KEY);
+      if (!/^[A-Za-z0-9_-]{8,64}$/.test(id || "")) {
+        id = newDeviceId();
+        localStorage.setItem(DEVICE_ID_KEY, id);
+      }
+      return id;
+    } catch (err) { // storage disabled: one id for this page at least
+      s.fallbackDeviceId = s.fallbackDeviceId || newDeviceId();
+      return s.fallbackDeviceId;
+    }
+  }
+
   // ---- socket ------------------------------------------------------------------------------------
   function send(msg) {
     if (s.socket && s.socket.readyState === WebSocket.OPEN) { s.socket.send(JSON.stringify(msg)); return true; }
@@ -119,6 +146,7 @@
     socket.onopen = () => {
       s.retries = 0;
       s.asking = false; // a new connection owes us nothing
+      s.unacked.clear();
       send({ type: "hello", protocol: 1, device: s.device });
       flushOutbox();
       askForWork();
@@ -128,25 +156,42 @@
       if (typeof event.data !== "string") return; // the server sends no binary frames to volunteers
       try { onServerMessage(JSON.parse(event.data)); } catch (err) { log(`bad server message: ${err.message}`, true); }
     };
-    socket.onclose = () => { if (s.socket === socket) reconnectLater(); };
+    socket.onclose = (event) => { if (s.socket === socket) reconnectLater(event.code); };
   }
 
-  function reconnectLater() {
+  function reconnectLater(code) {
     s.socket = null;
     if (!s.running) return;
-    const delay = BACKOFF_MS[Math.min(s.retries, BACKOFF_MS.length - 1)] * (0.75 + Math.random() / 2);
+    const throttled = code === THROTTLED;
+    const base = throttled ? THROTTLED_MS : BACKOFF_MS[Math.min(s.retries, BACKOFF_MS.length - 1)];
+    const delay = base * (0.75 + Math.random() / 2);
     s.retries++;
-    setStatus(`Connection lost, retrying in ${Math.round(delay / 1000)} s…`, "error");
+    const why = throttled ? "Too many connections" : "Connection lost";
+    setStatus(`${why}, retrying in ${Math.round(delay / 1000)} s…`, "error");
     s.reconnectTimer = setTimeout(connect, delay);
   }
 
   // The JSON frame and its binary frame must be adjacent, so both go out together or not at all.
   function flushOutbox() {
     while (s.outbox.length && s.socket && s.socket.readyState === WebSocket.OPEN) {
-      const { bytes, type, ...fields } = s.outbox.shift();
+      const item = s.outbox.shift();
+      const { bytes, type, ...fields } = item;
       send({ type: "result", ...fields });
       s.socket.send(bytes);
+      s.unacked.set(item.work_unit, item);
     }
+  }
+
+  // The server refused a result's bytes for now (`busy`: too many uploads at once): send it again later.
+  function resendLater(id) {
+    const item = s.unacked.get(id);
+    if (!item) return;
+    s.unacked.delete(id);
+    setTimeout(() => {
+      if (!s.running) return;
+      s.outbox.push(item);
+      flushOutbox();
+    }, BUSY_RETRY_MS * (0.5 + Math.random()));
   }
 
   const handlers = {
@@ -175,6 +220,7 @@
       askForWork();
     },
     ack(msg) {
+      s.unacked.delete(msg.work_unit);
       if (msg.accepted) {
         s.done++;
         $("work-units-done").textContent = String(s.done);
@@ -194,7 +240,9 @@
       if (!s.inFlight.size) setStatus("Waiting for work…", "waiting");
     },
     error(msg) {
-      if (msg.code === "busy") s.asking = false; // that `ready` was refused, not queued
+      if (msg.code === "busy" && msg.work_unit !== undefined) resendLater(msg.work_unit); // a result
+      else if (msg.code === "busy") s.asking = false; // that `ready` was refused, not queued
+      else if (msg.work_unit !== undefined) s.unacked.delete(msg.work_unit); // refused for good
       log(`server error ${msg.code}: ${msg.message}`, true);
     },
   };
@@ -217,7 +265,7 @@
   }
 
   function onEngineReady(msg) {
-    s.device = { backend: msg.backend, gflops: msg.gflops, user_agent: navigator.userAgent };
+    s.device = { id: deviceId(), backend: msg.backend, gflops: msg.gflops, user_agent: navigator.userAgent };
     if (navigator.deviceMemory) s.device.memory_mb = navigator.deviceMemory * 1024; // Chrome only
     $("backend").textContent = `${msg.backend} · ${msg.gflops} GFLOP/s`;
     log(`engine ready on ${msg.backend} (${msg.gflops} GFLOP/s)`);

@@ -81,8 +81,9 @@ async function benchmarkGflops() {
   return Math.round(((2 * n ** 3 * reps) / (ms / 1000) / 1e9) * 100) / 100;
 }
 
-// ---- downloads (content-addressed URLs never change, so cache by URL) -----------------------
-const cache = new Map(); // url -> {promise, bytes}; Map order = least recently used first
+// ---- downloads (content-addressed: a URL's path names its bytes, so cache by path) -------------
+// A shard's query is a grant signed afresh for every work unit; the path stays the same.
+const cache = new Map(); // path -> {promise, bytes}; Map order = least recently used first
 
 function evict() {
   let total = 0;
@@ -102,10 +103,11 @@ async function fetchBytes(url) {
 }
 
 function cached(url, decode) {
-  let entry = cache.get(url);
+  const key = url.split("?")[0];
+  let entry = cache.get(key);
   if (entry) {
-    cache.delete(url);
-    cache.set(url, entry);
+    cache.delete(key);
+    cache.set(key, entry);
     return entry.promise;
   }
   entry = { bytes: 0 };
@@ -114,8 +116,8 @@ function cached(url, decode) {
     evict();
     return decode(buf);
   });
-  entry.promise.catch(() => cache.delete(url));
-  cache.set(url, entry);
+  entry.promise.catch(() => cache.delete(key));
+  cache.set(key, entry);
   return entry.promise;
 }
 
