@@ -40,13 +40,15 @@ help:
 $(PY):
 	$(PYTHON) -m venv $(VENV)
 
+# Each install is tried twice: a registry that answers one request badly (pip's resolver then crashed with
+# "expected string or bytes-like object, got 'NoneType'" on a fresh clone) must not fail a whole CI run.
 $(RUN_STAMP): | $(PY)
-	$(PIP_INSTALL) -r requirements.txt
+	$(PIP_INSTALL) -r requirements.txt || $(PIP_INSTALL) -r requirements.txt
 	$(forget-old-stamps)
 	touch $@
 
 $(DEV_STAMP): | $(PY)
-	$(PIP_INSTALL) -r requirements-dev.txt
+	$(PIP_INSTALL) -r requirements-dev.txt || $(PIP_INSTALL) -r requirements-dev.txt
 	$(forget-old-stamps)
 	touch $@ $(RUN_STAMP)
 
