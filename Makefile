@@ -28,12 +28,13 @@ define forget-old-stamps
 find $(VENV) -maxdepth 1 -name '.installed-*' ! -name '$(notdir $(RUN_STAMP))' ! -name '$(notdir $(DEV_STAMP))' -delete
 endef
 
-.PHONY: help run test lint docker setup setup-dev vendor fuzz
+.PHONY: help run test test-js lint docker setup setup-dev vendor fuzz
 
 help:
 	@echo "make run     set up (.venv, npm, database, admin, demo data) and run the platform on http://127.0.0.1:8000"
 	@echo "make test    set up the dev tools and run the whole test suite"
-	@echo "make lint    ruff + mypy"
+	@echo "make test-js the browser engine's shared facts (engine/spec.json) in Node, no browser"
+	@echo "make lint    ruff (lint and format), mypy (tests and benchmarks too) and eslint; part of make test"
 	@echo "make fuzz    the long protocol fuzz against the real stack (FUZZ_ARGS=\"--frames 100000 --minutes 30\")"
 	@echo "make docker  docker compose up --build (production shape; needs .env, see platform/env.example)"
 
@@ -73,8 +74,13 @@ setup-dev: $(DEV_STAMP) vendor
 run: setup
 	exec $(PY) manage.py runplatform
 
-test: setup-dev
+# Lint first: a tree that does not pass it is not tested (CI runs exactly this target).
+test: setup-dev lint test-js
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+# Node only (node:test, no npm packages, no browser): a few hundred milliseconds.
+test-js:
+	node --test tests/js/*.test.mjs
 
 # benchmarks/security/fuzz.py: 100,000 hostile frames (or 30 minutes) while honest volunteers train; a table
 # and benchmarks/results/security_fuzz.json. Fails on any crash, stall, traceback, 500 or broken invariant.
@@ -82,9 +88,11 @@ FUZZ_ARGS ?=
 fuzz: setup-dev
 	$(PY) -m benchmarks.security.fuzz $(FUZZ_ARGS)
 
-lint: $(DEV_STAMP)
+lint: $(DEV_STAMP) $(NODE_STAMP)
 	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
 	$(PY) -m mypy
+	npx --no-install eslint .
 
 docker:
 	docker compose up --build

@@ -179,6 +179,10 @@ CROWDTRAIN = {
     "SHARD_SAMPLES": int(os.environ.get("CROWDTRAIN_SHARD_SAMPLES", 1000)),
     "WORK_UNIT_BUFFER": int(os.environ.get("CROWDTRAIN_WORK_UNIT_BUFFER", 8)),
     "WORK_UNIT_DEADLINE_SECONDS": int(os.environ.get("CROWDTRAIN_WU_DEADLINE", 120)),
+    # A volunteer's second invalid result in a row pauses its new work this long, doubling with each further
+    # one up to the cap (BOINC's daily quota plays this part); a valid result ends the streak.
+    "INVALID_BACKOFF_SECONDS": int(os.environ.get("CROWDTRAIN_INVALID_BACKOFF_SECONDS", 60)),
+    "INVALID_BACKOFF_MAX_SECONDS": int(os.environ.get("CROWDTRAIN_INVALID_BACKOFF_MAX_SECONDS", 24 * 3600)),
     "EVAL_EVERY_VERSIONS": int(os.environ.get("CROWDTRAIN_EVAL_EVERY", 5)),
     # Spot-checked work units at least this big (FLOPs) are recomputed by the server as soon as they are
     # sent; below it, recomputing at validation (milliseconds) costs less than a task to precompute it.

@@ -30,8 +30,18 @@ MAX_TENSORS = 10_000
 MAX_DIMS = 16
 MAX_SIZE = 2**62  # any dimension or offset beyond this cannot describe bytes we hold
 # Bytes per element of the safetensors dtypes decode accepts (int8 only as a quantised tensor).
-ITEMSIZES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1,
-             "BOOL": 1}
+ITEMSIZES = {
+    "F64": 8,
+    "F32": 4,
+    "F16": 2,
+    "BF16": 2,
+    "I64": 8,
+    "I32": 4,
+    "I16": 2,
+    "I8": 1,
+    "U8": 1,
+    "BOOL": 1,
+}
 
 
 class CodecError(ValueError):
@@ -76,8 +86,12 @@ def _encode_one(name: str, t: Tensor, codec: str, block_size: int, out: dict[str
         out[name], out[name + SCALE_SUFFIX] = quantize_int8(t, block_size)
 
 
-def encode(tensors: Mapping[str, Tensor | np.ndarray], codec: str = "fp32",
-           block_size: int = 256, metadata: Mapping[str, str] | None = None) -> bytes:
+def encode(
+    tensors: Mapping[str, Tensor | np.ndarray],
+    codec: str = "fp32",
+    block_size: int = 256,
+    metadata: Mapping[str, str] | None = None,
+) -> bytes:
     if codec not in CODECS:
         raise CodecError(f"unknown codec {codec!r} (expected one of {list(CODECS)})")
     if not 0 < block_size <= MAX_BLOCK_SIZE:
@@ -184,8 +198,10 @@ def _check_entry(name: str, info: Any, buffer: int) -> None:
         raise CodecError(f"{where}: data_offsets must be two non-negative ints")
     begin, end = offsets
     if not begin <= end <= buffer or end - begin != math.prod(shape) * ITEMSIZES[dtype]:
-        raise CodecError(f"{where}: shape {shape[:8]} of {dtype} does not fit data_offsets {offsets} "
-                         f"in a buffer of {buffer:,} bytes")
+        raise CodecError(
+            f"{where}: shape {shape[:8]} of {dtype} does not fit data_offsets {offsets} "
+            f"in a buffer of {buffer:,} bytes"
+        )
 
 
 def _check_entries(header: Mapping[str, Any], buffer: int) -> None:
@@ -242,8 +258,16 @@ def decode(data: bytes, max_header: int = MAX_HEADER) -> tuple[dict[str, Tensor]
         return _decode(bytes(data), max_header)
     except CodecError:
         raise
-    except (ValueError, TypeError, KeyError, IndexError, OverflowError, RuntimeError, RecursionError,
-            MemoryError) as exc:
+    except (
+        ValueError,
+        TypeError,
+        KeyError,
+        IndexError,
+        OverflowError,
+        RuntimeError,
+        RecursionError,
+        MemoryError,
+    ) as exc:
         raise CodecError(f"invalid safetensors data ({type(exc).__name__}: {str(exc)[:200]})") from None
 
 
@@ -276,8 +300,7 @@ class ErrorFeedback:
         self.residual: dict[str, Tensor] = {}
 
     def compress(self, update: Mapping[str, Tensor]) -> bytes:
-        corrected = {name: t.detach().float() + self.residual.get(name, 0.0)
-                     for name, t in update.items()}
+        corrected = {name: t.detach().float() + self.residual.get(name, 0.0) for name, t in update.items()}
         data = encode(corrected, self.codec, self.block_size)
         sent, _ = decode(data)
         self.residual = {name: corrected[name] - sent[name] for name in corrected}

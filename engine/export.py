@@ -19,7 +19,7 @@ from torch import Tensor, nn
 from torch.fx.node import _get_qualified_name
 
 from engine.graph import FORMAT, VERSION, load_graph
-from engine.presets import PositionalEmbedding
+from engine.layers import PositionalEmbedding
 
 Ref = str  # the graph name of a tensor value
 
@@ -37,8 +37,7 @@ class ExportError(ValueError):
 
 class _Tracer(fx.Tracer):
     def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
-        return isinstance(m, PositionalEmbedding) or super().is_leaf_module(
-            m, module_qualified_name)
+        return isinstance(m, PositionalEmbedding) or super().is_leaf_module(m, module_qualified_name)
 
 
 class _Recorder(fx.Interpreter):
@@ -57,8 +56,13 @@ def _describe(target: Any) -> str:
     if isinstance(target, str):
         return f"Tensor.{target}"
     name = getattr(target, "__name__", "")
-    spaces = (("torch", torch), ("torch.nn.functional", F), ("torch.fft", torch.fft),
-              ("torch.linalg", torch.linalg), ("torch.special", torch.special))
+    spaces = (
+        ("torch", torch),
+        ("torch.nn.functional", F),
+        ("torch.fft", torch.fft),
+        ("torch.linalg", torch.linalg),
+        ("torch.special", torch.special),
+    )
     for space_name, space in spaces:
         for candidate in (name, name.split("_", 1)[-1]):
             if candidate and getattr(space, candidate, None) is target:
@@ -66,8 +70,7 @@ def _describe(target: Any) -> str:
     return _get_qualified_name(target)
 
 
-def _bind(signature: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
-          ) -> dict[str, Any]:
+def _bind(signature: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
     bound = inspect.signature(signature).bind(*args, **kwargs)
     bound.apply_defaults()
     return dict(bound.arguments)
@@ -90,21 +93,56 @@ def _s_linear(input: Any, weight: Any, bias: Any = None) -> None: ...
 def _s_split(input: Any, split_size_or_sections: Any, dim: int = 0) -> None: ...
 def _s_chunk(input: Any, chunks: int, dim: int = 0) -> None: ...
 def _s_squeeze(input: Any, dim: Any = None) -> None: ...
-def _s_conv2d(input: Any, weight: Any, bias: Any = None, stride: Any = 1, padding: Any = 0,
-              dilation: Any = 1, groups: int = 1) -> None: ...
-def _s_max_pool2d(input: Any, kernel_size: Any, stride: Any = None, padding: Any = 0,
-                  dilation: Any = 1, ceil_mode: bool = False, return_indices: bool = False) -> None: ...
-def _s_avg_pool2d(input: Any, kernel_size: Any, stride: Any = None, padding: Any = 0,
-                  ceil_mode: bool = False, count_include_pad: bool = True,
-                  divisor_override: Any = None) -> None: ...
+def _s_conv2d(
+    input: Any,
+    weight: Any,
+    bias: Any = None,
+    stride: Any = 1,
+    padding: Any = 0,
+    dilation: Any = 1,
+    groups: int = 1,
+) -> None: ...
+def _s_max_pool2d(
+    input: Any,
+    kernel_size: Any,
+    stride: Any = None,
+    padding: Any = 0,
+    dilation: Any = 1,
+    ceil_mode: bool = False,
+    return_indices: bool = False,
+) -> None: ...
+def _s_avg_pool2d(
+    input: Any,
+    kernel_size: Any,
+    stride: Any = None,
+    padding: Any = 0,
+    ceil_mode: bool = False,
+    count_include_pad: bool = True,
+    divisor_override: Any = None,
+) -> None: ...
 def _s_adaptive(input: Any, output_size: Any) -> None: ...
-def _s_layer_norm(input: Any, normalized_shape: Any, weight: Any = None, bias: Any = None,
-                  eps: float = 1e-5) -> None: ...
-def _s_embedding(input: Any, weight: Any, padding_idx: Any = None, max_norm: Any = None,
-                 norm_type: float = 2.0, scale_grad_by_freq: bool = False,
-                 sparse: bool = False) -> None: ...
-def _s_sdpa(query: Any, key: Any, value: Any, attn_mask: Any = None, dropout_p: float = 0.0,
-            is_causal: bool = False, scale: Any = None, enable_gqa: bool = False) -> None: ...
+def _s_layer_norm(
+    input: Any, normalized_shape: Any, weight: Any = None, bias: Any = None, eps: float = 1e-5
+) -> None: ...
+def _s_embedding(
+    input: Any,
+    weight: Any,
+    padding_idx: Any = None,
+    max_norm: Any = None,
+    norm_type: float = 2.0,
+    scale_grad_by_freq: bool = False,
+    sparse: bool = False,
+) -> None: ...
+def _s_sdpa(
+    query: Any,
+    key: Any,
+    value: Any,
+    attn_mask: Any = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: Any = None,
+    enable_gqa: bool = False,
+) -> None: ...
 
 
 class _Exporter:
@@ -199,8 +237,9 @@ class _Exporter:
     def convert(self) -> None:
         for node in self.gm.graph.nodes:
             stack = node.meta.get("nn_module_stack") or {}
-            self.path = node.target if node.op == "call_module" else (
-                next(reversed(stack)) if stack else "<root>")
+            self.path = (
+                node.target if node.op == "call_module" else (next(reversed(stack)) if stack else "<root>")
+            )
             self.env[node] = self.convert_node(node)
 
     def convert_node(self, node: fx.Node) -> Any:
@@ -257,9 +296,15 @@ def _m_linear(e: _Exporter, n: fx.Node, m: nn.Linear, x: Ref, what: str) -> Ref:
 def _m_conv2d(e: _Exporter, n: fx.Node, m: nn.Conv2d, x: Ref, what: str) -> Ref:
     if isinstance(m.padding, str) or m.padding_mode != "zeros":
         raise e.fail(what, "only explicit zero padding is supported")
-    return e.emit(n.name, "conv2d", [x, e.tensor_ref(m.weight, what), e.tensor_ref(m.bias, what)],
-                  stride=list(m.stride), padding=list(m.padding), dilation=list(m.dilation),
-                  groups=m.groups)
+    return e.emit(
+        n.name,
+        "conv2d",
+        [x, e.tensor_ref(m.weight, what), e.tensor_ref(m.bias, what)],
+        stride=list(m.stride),
+        padding=list(m.padding),
+        dilation=list(m.dilation),
+        groups=m.groups,
+    )
 
 
 def _m_batch_norm(e: _Exporter, n: fx.Node, m: nn.BatchNorm2d, x: Ref, what: str) -> Ref:
@@ -270,9 +315,13 @@ def _m_batch_norm(e: _Exporter, n: fx.Node, m: nn.BatchNorm2d, x: Ref, what: str
 
 
 def _m_layer_norm(e: _Exporter, n: fx.Node, m: nn.LayerNorm, x: Ref, what: str) -> Ref:
-    return e.emit(n.name, "layer_norm", [x, e.tensor_ref(m.weight, what),
-                                         e.tensor_ref(m.bias, what)],
-                  normalized_shape=list(m.normalized_shape), eps=m.eps)
+    return e.emit(
+        n.name,
+        "layer_norm",
+        [x, e.tensor_ref(m.weight, what), e.tensor_ref(m.bias, what)],
+        normalized_shape=list(m.normalized_shape),
+        eps=m.eps,
+    )
 
 
 def _m_embedding(e: _Exporter, n: fx.Node, m: nn.Embedding, x: Ref, what: str) -> Ref:
@@ -283,14 +332,20 @@ def _m_embedding(e: _Exporter, n: fx.Node, m: nn.Embedding, x: Ref, what: str) -
 
 def _m_pool(op: str) -> ModuleHandler:
     def handler(e: _Exporter, n: fx.Node, m: Any, x: Ref, what: str) -> Ref:
-        plain = not m.ceil_mode and getattr(m, "dilation", 1) in (1, (1, 1)) and not getattr(
-            m, "return_indices", False) and getattr(m, "count_include_pad", True) and getattr(
-            m, "divisor_override", None) is None
+        plain = (
+            not m.ceil_mode
+            and getattr(m, "dilation", 1) in (1, (1, 1))
+            and not getattr(m, "return_indices", False)
+            and getattr(m, "count_include_pad", True)
+            and getattr(m, "divisor_override", None) is None
+        )
         if not plain:
             raise e.fail(what, "ceil_mode/dilation/return_indices/divisor are not supported")
         stride = m.stride if m.stride is not None else m.kernel_size
-        return e.emit(n.name, op, [x], kernel_size=_pair(m.kernel_size), stride=_pair(stride),
-                      padding=_pair(m.padding))
+        return e.emit(
+            n.name, op, [x], kernel_size=_pair(m.kernel_size), stride=_pair(stride), padding=_pair(m.padding)
+        )
+
     return handler
 
 
@@ -308,6 +363,7 @@ def _m_adaptive(e: _Exporter, n: fx.Node, m: nn.AdaptiveAvgPool2d, x: Ref, what:
 def _m_simple(op: str, **attr_getters: Callable[[Any], Any]) -> ModuleHandler:
     def handler(e: _Exporter, n: fx.Node, m: Any, x: Ref, what: str) -> Ref:
         return e.emit(n.name, op, [x], **{k: get(m) for k, get in attr_getters.items()})
+
     return handler
 
 
@@ -316,6 +372,7 @@ def _m_softmax(op: str) -> ModuleHandler:
         if m.dim is None:
             raise e.fail(what, "an explicit dim is required")
         return e.emit(n.name, op, [x], dim=m.dim)
+
     return handler
 
 
@@ -339,7 +396,8 @@ _MODULES: dict[type, ModuleHandler] = {
     nn.Flatten: _m_simple("flatten", start_dim=lambda m: m.start_dim, end_dim=lambda m: m.end_dim),
     nn.Identity: lambda e, n, m, x, what: x,
     PositionalEmbedding: lambda e, n, m, x, what: e.emit(
-        n.name, "arange_embedding", [x, e.tensor_ref(m.weight, what)]),
+        n.name, "arange_embedding", [x, e.tensor_ref(m.weight, what)]
+    ),
 }
 
 
@@ -354,8 +412,7 @@ def _c_unary(op: str) -> CallHandler:
 
 
 def _c_gelu(e: _Exporter, n: fx.Node, b: Bound, what: str) -> Ref:
-    return e.emit(n.name, "gelu", [e.ref(b["input"], what)],
-                  approximate=e.const(b["approximate"], what))
+    return e.emit(n.name, "gelu", [e.ref(b["input"], what)], approximate=e.const(b["approximate"], what))
 
 
 def _c_softmax(op: str) -> CallHandler:
@@ -364,6 +421,7 @@ def _c_softmax(op: str) -> CallHandler:
         if dim is None or b["dtype"] is not None:
             raise e.fail(what, "needs an explicit dim and no dtype")
         return e.emit(n.name, op, [e.ref(b["input"], what)], dim=dim)
+
     return handler
 
 
@@ -375,9 +433,14 @@ def _c_flatten(start_default: int) -> CallHandler:
     def handler(e: _Exporter, n: fx.Node, b: Bound, what: str) -> Ref:
         # torch.flatten/Tensor.flatten default to start_dim 0; the graph op defaults to 1.
         start = e.const(b["start_dim"], what)
-        return e.emit(n.name, "flatten", [e.ref(b["input"], what)],
-                      start_dim=start_default if start is None else start,
-                      end_dim=e.const(b["end_dim"], what))
+        return e.emit(
+            n.name,
+            "flatten",
+            [e.ref(b["input"], what)],
+            start_dim=start_default if start is None else start,
+            end_dim=e.const(b["end_dim"], what),
+        )
+
     return handler
 
 
@@ -387,14 +450,18 @@ def _c_reshape(e: _Exporter, n: fx.Node, b: Bound, what: str) -> Ref:
 
 def _c_permute(e: _Exporter, n: fx.Node, b: Bound, what: str) -> Ref:
     sizes = e.const(b["sizes"], what)
-    dims = list(sizes[0]) if len(sizes) == 1 and isinstance(sizes[0], (list, tuple)) else list(
-        sizes)
+    dims = list(sizes[0]) if len(sizes) == 1 and isinstance(sizes[0], (list, tuple)) else list(sizes)
     return e.emit(n.name, "permute", [e.ref(b["input"], what)], dims=dims)
 
 
 def _c_transpose(e: _Exporter, n: fx.Node, b: Bound, what: str) -> Ref:
-    return e.emit(n.name, "transpose", [e.ref(b["input"], what)],
-                  dim0=e.const(b["dim0"], what), dim1=e.const(b["dim1"], what))
+    return e.emit(
+        n.name,
+        "transpose",
+        [e.ref(b["input"], what)],
+        dim0=e.const(b["dim0"], what),
+        dim1=e.const(b["dim1"], what),
+    )
 
 
 def _c_identity(e: _Exporter, n: fx.Node, b: Bound, what: str) -> Ref:
@@ -413,6 +480,7 @@ def _c_arith(op: str) -> CallHandler:
         if _is_tensor_arg(e, a) and _is_tensor_arg(e, c):
             return e.emit(n.name, op, [e.ref(a, what), e.ref(c, what)])
         return _scalar_arith(e, n, op, a, c, what)
+
     return handler
 
 
@@ -423,8 +491,12 @@ def _scalar_arith(e: _Exporter, n: fx.Node, op: str, a: Any, c: Any, what: str) 
         raise e.fail(what, "tensor operands must come from the traced graph")
     if op == "mul" or op == "div" and tensor is a:
         # Division by a constant becomes a scale by its reciprocal (rounds within 1 ulp).
-        return e.emit(n.name, "scale", [e.ref(tensor, what)],
-                      factor=float(factor) if op == "mul" else 1.0 / float(factor))
+        return e.emit(
+            n.name,
+            "scale",
+            [e.ref(tensor, what)],
+            factor=float(factor) if op == "mul" else 1.0 / float(factor),
+        )
     raise e.fail(what, f"{op} with a Python scalar is not supported")
 
 
@@ -443,12 +515,17 @@ def _c_linear(e: _Exporter, n: fx.Node, b: Bound, what: str) -> Ref:
 
 
 def _c_sdpa(e: _Exporter, n: fx.Node, b: Bound, what: str) -> Ref:
-    if b["attn_mask"] is not None or e.const(b["dropout_p"], what) != 0.0 or b[
-            "scale"] is not None or b["enable_gqa"]:
+    if (
+        b["attn_mask"] is not None
+        or e.const(b["dropout_p"], what) != 0.0
+        or b["scale"] is not None
+        or b["enable_gqa"]
+    ):
         raise e.fail(what, "attn_mask, dropout_p, scale and enable_gqa are not supported")
     qkv = [e.ref(b[k], what) for k in ("query", "key", "value")]
-    return e.emit(n.name, "scaled_dot_product_attention", list(qkv),
-                  is_causal=bool(e.const(b["is_causal"], what)))
+    return e.emit(
+        n.name, "scaled_dot_product_attention", list(qkv), is_causal=bool(e.const(b["is_causal"], what))
+    )
 
 
 def _c_split(e: _Exporter, n: fx.Node, b: Bound, what: str) -> tuple[Ref, ...]:
@@ -486,25 +563,42 @@ def _c_conv2d(e: _Exporter, n: fx.Node, b: Bound, what: str) -> Ref:
     if isinstance(padding, str):
         raise e.fail(what, "only explicit zero padding is supported")
     inputs = [e.ref(b["input"], what), e.ref(b["weight"], what), _opt_ref(e, b["bias"], what)]
-    return e.emit(n.name, "conv2d", inputs, stride=_pair(e.const(b["stride"], what)),
-                  padding=_pair(padding), dilation=_pair(e.const(b["dilation"], what)),
-                  groups=e.const(b["groups"], what))
+    return e.emit(
+        n.name,
+        "conv2d",
+        inputs,
+        stride=_pair(e.const(b["stride"], what)),
+        padding=_pair(padding),
+        dilation=_pair(e.const(b["dilation"], what)),
+        groups=e.const(b["groups"], what),
+    )
 
 
 def _c_pool(op: str) -> CallHandler:
     def handler(e: _Exporter, n: fx.Node, b: Bound, what: str) -> Ref:
-        odd = {k: e.const(b[k], what) for k in ("dilation", "ceil_mode", "return_indices",
-                                                "count_include_pad", "divisor_override") if k in b}
+        odd = {
+            k: e.const(b[k], what)
+            for k in ("dilation", "ceil_mode", "return_indices", "count_include_pad", "divisor_override")
+            if k in b
+        }
         if "dilation" in odd and _pair(odd["dilation"]) == [1, 1]:
             odd["dilation"] = 1
-        if odd not in ({"dilation": 1, "ceil_mode": False, "return_indices": False},
-                       {"ceil_mode": False, "count_include_pad": True, "divisor_override": None}):
+        if odd not in (
+            {"dilation": 1, "ceil_mode": False, "return_indices": False},
+            {"ceil_mode": False, "count_include_pad": True, "divisor_override": None},
+        ):
             raise e.fail(what, "ceil_mode/dilation/return_indices/divisor are not supported")
         kernel = _pair(e.const(b["kernel_size"], what))
         stride = e.const(b["stride"], what)
-        return e.emit(n.name, op, [e.ref(b["input"], what)], kernel_size=kernel,
-                      stride=kernel if stride is None or stride == [] else _pair(stride),
-                      padding=_pair(e.const(b["padding"], what)))
+        return e.emit(
+            n.name,
+            op,
+            [e.ref(b["input"], what)],
+            kernel_size=kernel,
+            stride=kernel if stride is None or stride == [] else _pair(stride),
+            padding=_pair(e.const(b["padding"], what)),
+        )
+
     return handler
 
 
@@ -518,8 +612,13 @@ def _c_adaptive(e: _Exporter, n: fx.Node, b: Bound, what: str) -> Ref:
 def _c_layer_norm(e: _Exporter, n: fx.Node, b: Bound, what: str) -> Ref:
     shape = e.const(b["normalized_shape"], what)
     inputs = [e.ref(b["input"], what), _opt_ref(e, b["weight"], what), _opt_ref(e, b["bias"], what)]
-    return e.emit(n.name, "layer_norm", inputs, eps=float(e.const(b["eps"], what)),
-                  normalized_shape=[shape] if isinstance(shape, int) else list(shape))
+    return e.emit(
+        n.name,
+        "layer_norm",
+        inputs,
+        eps=float(e.const(b["eps"], what)),
+        normalized_shape=[shape] if isinstance(shape, int) else list(shape),
+    )
 
 
 def _c_embedding(e: _Exporter, n: fx.Node, b: Bound, what: str) -> Ref:
@@ -532,8 +631,9 @@ def _method(*names: str) -> list[tuple[str, str]]:
     return [("method", name) for name in names]
 
 
-def _entries(keys: Iterable[Any], signature: Callable[..., Any], handler: CallHandler
-             ) -> dict[Any, tuple[Callable[..., Any], CallHandler]]:
+def _entries(
+    keys: Iterable[Any], signature: Callable[..., Any], handler: CallHandler
+) -> dict[Any, tuple[Callable[..., Any], CallHandler]]:
     return {key: (signature, handler) for key in keys}
 
 
@@ -543,13 +643,13 @@ _CALLS: dict[Any, tuple[Callable[..., Any], CallHandler]] = {
     **_entries([torch.sigmoid, F.sigmoid, *_method("sigmoid")], _s_x, _c_unary("sigmoid")),
     **_entries([F.gelu], _s_gelu, _c_gelu),
     **_entries([F.softmax, torch.softmax, *_method("softmax")], _s_softmax, _c_softmax("softmax")),
-    **_entries([F.log_softmax, torch.log_softmax, *_method("log_softmax")], _s_softmax,
-               _c_softmax("log_softmax")),
+    **_entries(
+        [F.log_softmax, torch.log_softmax, *_method("log_softmax")], _s_softmax, _c_softmax("log_softmax")
+    ),
     **_entries([F.dropout], _s_dropout, _c_dropout),
     **_entries([torch.flatten, *_method("flatten")], _s_flatten, _c_flatten(0)),
     **_entries([torch.reshape, *_method("view", "reshape")], _s_var, _c_reshape),
-    **_entries([torch.squeeze, torch.unsqueeze, *_method("squeeze", "unsqueeze")], _s_squeeze,
-               _c_reshape),
+    **_entries([torch.squeeze, torch.unsqueeze, *_method("squeeze", "unsqueeze")], _s_squeeze, _c_reshape),
     **_entries([operator.neg, torch.neg, *_method("neg")], _s_x, _c_neg),
     **_entries([F.conv2d], _s_conv2d, _c_conv2d),
     **_entries([F.max_pool2d], _s_max_pool2d, _c_pool("max_pool2d")),
@@ -564,8 +664,7 @@ _CALLS: dict[Any, tuple[Callable[..., Any], CallHandler]] = {
     **_entries([operator.sub, torch.sub, *_method("sub")], _s_addsub, _c_arith("sub")),
     **_entries([operator.mul, torch.mul, *_method("mul")], _s_ab, _c_arith("mul")),
     **_entries([operator.truediv, torch.div, *_method("div")], _s_div, _c_arith("div")),
-    **_entries([operator.matmul, torch.matmul, torch.bmm, *_method("matmul", "bmm")], _s_ab,
-               _c_matmul),
+    **_entries([operator.matmul, torch.matmul, torch.bmm, *_method("matmul", "bmm")], _s_ab, _c_matmul),
     **_entries([torch.cat, torch.concat], _s_cat, _c_cat),
     **_entries([F.linear], _s_linear, _c_linear),
     **_entries([F.scaled_dot_product_attention], _s_sdpa, _c_sdpa),
@@ -582,9 +681,13 @@ def _spec(name: str, shape: list[int], dtype: str = "float32") -> dict[str, Any]
     return {"name": name, "shape": shape, "dtype": dtype}
 
 
-def export_module(module: nn.Module, input_shape: tuple[int, ...], input_dtype: str = "float32",
-                  loss: str = "cross_entropy", name: str = "model"
-                  ) -> tuple[dict[str, Any], dict[str, Tensor]]:
+def export_module(
+    module: nn.Module,
+    input_shape: tuple[int, ...],
+    input_dtype: str = "float32",
+    loss: str = "cross_entropy",
+    name: str = "model",
+) -> tuple[dict[str, Any], dict[str, Tensor]]:
     """Trace ``module`` into a validated graph dict and its weights (params + buffers by name).
 
     ``input_shape`` excludes the batch dimension. The graph's input is "x" and its target "y".
@@ -599,7 +702,9 @@ def export_module(module: nn.Module, input_shape: tuple[int, ...], input_dtype: 
     param_names = {n for n, _ in module.named_parameters()}
     used = exporter.used
     graph = {
-        "format": FORMAT, "version": VERSION, "name": name,
+        "format": FORMAT,
+        "version": VERSION,
+        "name": name,
         "inputs": [_spec("x", [-1, *input_shape], input_dtype)],
         "targets": [target],
         "params": [_spec(n, list(t.shape)) for n, t in used.items() if n in param_names],

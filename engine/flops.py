@@ -32,8 +32,7 @@ def _broadcast(a: Shape, b: Shape) -> Shape:
     return tuple(max(x, y) for x, y in zip(a, b, strict=True))
 
 
-def _node_flops(node: Node, shapes: dict[str, Shape], needs_grad: Sequence[bool]
-                ) -> tuple[int, int]:
+def _node_flops(node: Node, shapes: dict[str, Shape], needs_grad: Sequence[bool]) -> tuple[int, int]:
     """(forward, backward) FLOPs of one node for the batch the shapes were inferred with."""
     s = [shapes[n] if n is not None else () for n in node.inputs]
     if node.op == "linear":

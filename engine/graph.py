@@ -17,15 +17,17 @@ import torch
 
 from engine import ops
 from engine.codecs import MAX_JSON_DEPTH, json_loads_bounded
+from engine.spec import GRAPH as GRAPH_SPEC
 
-FORMAT = "crowdtrain.graph"
-VERSION = 1
-MAX_NODES = 2_000
-MAX_PARAMS = 500
-MAX_PARAM_ELEMENTS = 200_000_000
-MAX_NAME = 200
-MAX_INT = 2**31 - 1
-NAME_RE = re.compile(r"[A-Za-z0-9_.:/-]+")
+FORMAT: str = GRAPH_SPEC["format"]
+VERSION: int = GRAPH_SPEC["version"]
+MAX_NODES: int = GRAPH_SPEC["limits"]["nodes"]
+MAX_PARAMS: int = GRAPH_SPEC["limits"]["params"]
+MAX_PARAM_ELEMENTS: int = GRAPH_SPEC["limits"]["param_elements"]
+MAX_NAME: int = GRAPH_SPEC["limits"]["name_length"]
+MAX_INT: int = GRAPH_SPEC["limits"]["max_int"]
+NAME_RE = re.compile(GRAPH_SPEC["name_pattern"])
+SECTION_DTYPES: dict[str, tuple[str, ...]] = {k: tuple(v) for k, v in GRAPH_SPEC["dtypes"].items()}
 
 # Activation memory per training sample (every node's output, twice for the backward pass) beyond which
 # no graph loads at all; projects set a lower limit of their own (Project.max_activation_mb).
@@ -51,7 +53,7 @@ REQUIRED: Any = _Required()
 
 @dataclass(frozen=True)
 class Attr:
-    kind: str  # int | float | bool | str | ints | pair | pair_or_none
+    kind: str  # one of ATTR_KINDS
     default: Any = REQUIRED
     choices: tuple[str, ...] = ()
 
@@ -63,45 +65,22 @@ class OpSpec:
     attrs: Mapping[str, Attr] = field(default_factory=dict)
 
 
-_X = ("x",)
-_POOL = {"kernel_size": Attr("pair"), "stride": Attr("pair_or_none", None),
-         "padding": Attr("pair", [0, 0])}
+# What _norm_attr knows how to check.
+ATTR_KINDS = ("int", "float", "bool", "str", "ints", "pair", "pair_or_none")
 
-OP_SPECS: dict[str, OpSpec] = {
-    "linear": OpSpec(("x", "weight", "bias?")),
-    "conv2d": OpSpec(("x", "weight", "bias?"), {
-        "stride": Attr("pair", [1, 1]), "padding": Attr("pair", [0, 0]),
-        "dilation": Attr("pair", [1, 1]), "groups": Attr("int", 1)}),
-    "batch_norm": OpSpec(("x", "weight", "bias", "running_mean", "running_var"), {
-        "eps": Attr("float", 1e-5), "momentum": Attr("float", 0.1)}),
-    "layer_norm": OpSpec(("x", "weight?", "bias?"), {
-        "normalized_shape": Attr("ints"), "eps": Attr("float", 1e-5)}),
-    "embedding": OpSpec(("ids", "weight")),
-    "relu": OpSpec(_X),
-    "tanh": OpSpec(_X),
-    "sigmoid": OpSpec(_X),
-    "gelu": OpSpec(_X, {"approximate": Attr("str", "none", ("none", "tanh"))}),
-    "softmax": OpSpec(_X, {"dim": Attr("int")}),
-    "log_softmax": OpSpec(_X, {"dim": Attr("int")}),
-    "dropout": OpSpec(_X, {"p": Attr("float")}),
-    "max_pool2d": OpSpec(_X, _POOL),
-    "avg_pool2d": OpSpec(_X, _POOL),
-    "adaptive_avg_pool2d": OpSpec(_X, {"output_size": Attr("pair")}),
-    "flatten": OpSpec(_X, {"start_dim": Attr("int", 1), "end_dim": Attr("int", -1)}),
-    "reshape": OpSpec(_X, {"shape": Attr("ints")}),
-    "permute": OpSpec(_X, {"dims": Attr("ints")}),
-    "transpose": OpSpec(_X, {"dim0": Attr("int"), "dim1": Attr("int")}),
-    "add": OpSpec(("a", "b")),
-    "sub": OpSpec(("a", "b")),
-    "mul": OpSpec(("a", "b")),
-    "div": OpSpec(("a", "b")),
-    "scale": OpSpec(_X, {"factor": Attr("float")}),
-    "matmul": OpSpec(("a", "b")),
-    "concat": OpSpec(("x*",), {"dim": Attr("int")}),
-    "split": OpSpec(_X, {"dim": Attr("int"), "start": Attr("int"), "length": Attr("int")}),
-    "scaled_dot_product_attention": OpSpec(("q", "k", "v"), {"is_causal": Attr("bool", False)}),
-    "arange_embedding": OpSpec(("x", "weight")),
-}
+
+def _attr(raw: Mapping[str, Any]) -> Attr:
+    if raw["kind"] not in ATTR_KINDS:
+        raise ValueError(f"engine/spec.json: unknown attr kind {raw['kind']!r}")
+    return Attr(raw["kind"], raw.get("default", REQUIRED), tuple(raw.get("choices", ())))
+
+
+def _op_spec(raw: Mapping[str, Any]) -> OpSpec:
+    return OpSpec(tuple(raw["inputs"]), {name: _attr(a) for name, a in raw.get("attrs", {}).items()})
+
+
+# The op table of engine/spec.json, which the browsers' graph.js reads too.
+OP_SPECS: dict[str, OpSpec] = {op: _op_spec(raw) for op, raw in GRAPH_SPEC["ops"].items()}
 
 
 @dataclass(frozen=True)
@@ -122,8 +101,7 @@ class Node:
     attrs: Mapping[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"name": self.name, "op": self.op, "inputs": list(self.inputs),
-                "attrs": dict(self.attrs)}
+        return {"name": self.name, "op": self.op, "inputs": list(self.inputs), "attrs": dict(self.attrs)}
 
 
 @dataclass(frozen=True)
@@ -149,7 +127,9 @@ class Graph:
 
     def to_dict(self) -> dict[str, Any]:
         return {
-            "format": FORMAT, "version": VERSION, "name": self.name,
+            "format": FORMAT,
+            "version": VERSION,
+            "name": self.name,
             "inputs": [s.to_dict() for s in self.inputs],
             "targets": [s.to_dict() for s in self.targets],
             "params": [s.to_dict() for s in self.params],
@@ -165,8 +145,7 @@ class Graph:
 
 def graph_to_json(graph: Graph) -> bytes:
     """Canonical JSON (sorted keys, no whitespace): equal graphs give equal bytes and hashes."""
-    return json.dumps(graph.to_dict(), sort_keys=True, separators=(",", ":"),
-                      allow_nan=False).encode()
+    return json.dumps(graph.to_dict(), sort_keys=True, separators=(",", ":"), allow_nan=False).encode()
 
 
 # ---------------------------------------------------------------- parsing helpers
@@ -187,8 +166,7 @@ def _get(d: Mapping[str, Any], key: str, kind: type | tuple[type, ...], where: s
 
 def _check_name(name: Any, where: str) -> str:
     if not isinstance(name, str) or len(name) > MAX_NAME or not NAME_RE.fullmatch(name):
-        raise _fail(f"{where}: invalid name {name!r} (at most {MAX_NAME} chars of "
-                    f"[A-Za-z0-9_.:/-])")
+        raise _fail(f"{where}: invalid name {name!r} (at most {MAX_NAME} chars of [A-Za-z0-9_.:/-])")
     return name
 
 
@@ -217,12 +195,13 @@ def _parse_spec(raw: Any, section: str, batched: bool, dtypes: tuple[str, ...]) 
     return TensorSpec(name, tuple(shape), dtype)
 
 
-def _parse_specs(data: Mapping[str, Any], section: str, batched: bool,
-                 dtypes: tuple[str, ...], required: bool = True) -> tuple[TensorSpec, ...]:
+def _parse_specs(
+    data: Mapping[str, Any], section: str, batched: bool, required: bool = True
+) -> tuple[TensorSpec, ...]:
     if section not in data and not required:
         return ()
     raw = _get(data, section, list, "graph")
-    return tuple(_parse_spec(r, section, batched, dtypes) for r in raw)
+    return tuple(_parse_spec(r, section, batched, SECTION_DTYPES[section]) for r in raw)
 
 
 def _norm_attr(spec: Attr, value: Any, where: str) -> Any:
@@ -247,8 +226,10 @@ def _norm_attr(spec: Attr, value: Any, where: str) -> Any:
         return value
     if kind == "str" and isinstance(value, str) and value in spec.choices:
         return value
-    raise _fail(f"{where}: invalid value {value!r} (expected {kind}"
-                + (f" in {list(spec.choices)})" if spec.choices else ")"))
+    raise _fail(
+        f"{where}: invalid value {value!r} (expected {kind}"
+        + (f" in {list(spec.choices)})" if spec.choices else ")")
+    )
 
 
 def _parse_attrs(op: str, raw: Any, where: str) -> dict[str, Any]:
@@ -332,8 +313,13 @@ def _parse_loss(raw: Any, output: str, targets: tuple[TensorSpec, ...]) -> Loss:
         raise _fail(f"loss: unknown op {op!r} (expected one of {list(ops.LOSSES)})")
     inputs = raw.get("inputs")
     target_names = {t.name for t in targets}
-    if not (isinstance(inputs, list) and len(inputs) == 2 and inputs[0] == output
-            and isinstance(inputs[1], str) and inputs[1] in target_names):
+    if not (
+        isinstance(inputs, list)
+        and len(inputs) == 2
+        and inputs[0] == output
+        and isinstance(inputs[1], str)
+        and inputs[1] in target_names
+    ):
         raise _fail(f"loss: inputs must be [output '{output}', a target], got {inputs!r}")
     if raw.get("attrs") not in (None, {}):
         raise _fail("loss: attrs must be empty")
@@ -349,13 +335,16 @@ def _parse_header(data: Any) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise _fail("graph must be a JSON object")
     if data.get("format") != FORMAT or data.get("version") != VERSION:
-        raise _fail(f"unsupported graph format {data.get('format')!r} version "
-                    f"{data.get('version')!r} (expected {FORMAT!r} version {VERSION})")
+        raise _fail(
+            f"unsupported graph format {data.get('format')!r} version "
+            f"{data.get('version')!r} (expected {FORMAT!r} version {VERSION})"
+        )
     return data
 
 
-def load_graph(data: dict[str, Any] | str | bytes,
-               max_activation_bytes: int | None = MAX_ACTIVATION_BYTES) -> Graph:
+def load_graph(
+    data: dict[str, Any] | str | bytes, max_activation_bytes: int | None = MAX_ACTIVATION_BYTES
+) -> Graph:
     """Parse and fully validate a graph; raises GraphError naming the offending part.
 
     Also refuses graphs whose activations need more than ``max_activation_bytes`` per training sample
@@ -365,8 +354,16 @@ def load_graph(data: dict[str, Any] | str | bytes,
         graph, values = _load(data)
     except GraphError:
         raise
-    except (ValueError, TypeError, KeyError, IndexError, AttributeError, OverflowError, RecursionError,
-            MemoryError) as exc:  # hostile input the checks above did not foresee: still a clear error
+    except (
+        ValueError,
+        TypeError,
+        KeyError,
+        IndexError,
+        AttributeError,
+        OverflowError,
+        RecursionError,
+        MemoryError,
+    ) as exc:  # hostile input the checks above did not foresee: still a clear error
         raise _fail(f"malformed graph ({type(exc).__name__}: {str(exc)[:200]})") from None
     if max_activation_bytes is not None:
         _activation_from(graph, values, INFER_BATCH).check(max_activation_bytes)
@@ -376,10 +373,10 @@ def load_graph(data: dict[str, Any] | str | bytes,
 def _load(data: dict[str, Any] | str | bytes) -> tuple[Graph, dict[str, torch.Tensor]]:
     data = _parse_header(data)
     name = _check_name(data.get("name", "model"), "graph")
-    inputs = _parse_specs(data, "inputs", True, ("float32", "int64"))
-    targets = _parse_specs(data, "targets", True, ("float32", "int64"))
-    params = _parse_specs(data, "params", False, ("float32",))
-    buffers = _parse_specs(data, "buffers", False, ("float32",), required=False)
+    inputs = _parse_specs(data, "inputs", True)
+    targets = _parse_specs(data, "targets", True)
+    params = _parse_specs(data, "params", False)
+    buffers = _parse_specs(data, "buffers", False, required=False)
     raw_nodes = _get(data, "nodes", list, "graph")
     if not inputs or not targets or not raw_nodes:
         raise _fail("graph needs at least one input, one target and one node")
@@ -424,16 +421,16 @@ def _meta_values(graph: Graph, batch: int) -> dict[str, torch.Tensor]:
         try:
             values[spec.name] = _meta(spec, batch)
         except (RuntimeError, ValueError, OverflowError) as exc:
-            raise _fail(f"'{spec.name}': unusable shape {list(spec.shape)}: {_first_line(exc)}"
-                        ) from None
+            raise _fail(f"'{spec.name}': unusable shape {list(spec.shape)}: {_first_line(exc)}") from None
     for node in graph.nodes:
         args = [None if n is None else values[n] for n in node.inputs]
         try:
             values[node.name] = ops.run_op(node.op, args, node.attrs, False)
         except (RuntimeError, ValueError, IndexError, TypeError, OverflowError) as exc:
             shapes = [None if a is None else list(a.shape) for a in args]
-            raise _fail(f"node '{node.name}' ({node.op}): {_first_line(exc)} (input shapes {shapes})"
-                        ) from None
+            raise _fail(
+                f"node '{node.name}' ({node.op}): {_first_line(exc)} (input shapes {shapes})"
+            ) from None
     return values
 
 
@@ -481,10 +478,12 @@ class ActivationMemory:
         if self.train_bytes <= limit:
             return
         node = self.largest_node
-        raise _fail(f"activations need {_mib(self.train_bytes)} MiB per training sample (at most "
-                    f"{_mib(limit)} MiB); the largest is node '{node.name}' ({node.op}), "
-                    f"{_mib(self.largest_bytes)} MiB per sample (output shape "
-                    f"{list(self.largest_shape)} for a batch of {INFER_BATCH})")
+        raise _fail(
+            f"activations need {_mib(self.train_bytes)} MiB per training sample (at most "
+            f"{_mib(limit)} MiB); the largest is node '{node.name}' ({node.op}), "
+            f"{_mib(self.largest_bytes)} MiB per sample (output shape "
+            f"{list(self.largest_shape)} for a batch of {INFER_BATCH})"
+        )
 
 
 def _mib(size: int | float) -> str:
@@ -495,11 +494,17 @@ def _activation_from(graph: Graph, values: Mapping[str, torch.Tensor], batch: in
     # Per sample = the size at `batch` divided by it: nodes that do not depend on the batch are counted
     # as if they did (slightly high, never low for the batch sizes that matter).
     sizes = {n.name: math.prod(values[n.name].shape) * values[n.name].element_size() for n in graph.nodes}
-    samples = sum(math.prod(values[s.name].shape) * values[s.name].element_size()
-                  for s in (*graph.inputs, *graph.targets))
+    samples = sum(
+        math.prod(values[s.name].shape) * values[s.name].element_size()
+        for s in (*graph.inputs, *graph.targets)
+    )
     largest = max(graph.nodes, key=lambda n: sizes[n.name])
-    return ActivationMemory(-(-(sum(sizes.values()) + samples) // batch), largest,
-                            tuple(values[largest.name].shape), -(-sizes[largest.name] // batch))
+    return ActivationMemory(
+        -(-(sum(sizes.values()) + samples) // batch),
+        largest,
+        tuple(values[largest.name].shape),
+        -(-sizes[largest.name] // batch),
+    )
 
 
 def activation_memory(graph: Graph) -> ActivationMemory:

@@ -13,6 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from engine import spec
+
 Args = Sequence[Tensor | None]
 Attrs = Mapping[str, Any]
 OpFn = Callable[[Args, Attrs, bool], Tensor]
@@ -30,16 +32,12 @@ def _linear(a: Args, at: Attrs, training: bool) -> Tensor:
 
 
 def _conv2d(a: Args, at: Attrs, training: bool) -> Tensor:
-    return F.conv2d(
-        _t(a, 0), _t(a, 1), a[2], at["stride"], at["padding"], at["dilation"], at["groups"]
-    )
+    return F.conv2d(_t(a, 0), _t(a, 1), a[2], at["stride"], at["padding"], at["dilation"], at["groups"])
 
 
 def _batch_norm(a: Args, at: Attrs, training: bool) -> Tensor:
     # F.batch_norm updates the running stats in place in training mode (unbiased variance).
-    return F.batch_norm(
-        _t(a, 0), _t(a, 3), _t(a, 4), a[1], a[2], training, at["momentum"], at["eps"]
-    )
+    return F.batch_norm(_t(a, 0), _t(a, 3), _t(a, 4), a[1], a[2], training, at["momentum"], at["eps"])
 
 
 def _layer_norm(a: Args, at: Attrs, training: bool) -> Tensor:
@@ -86,6 +84,7 @@ def _binary(fn: Callable[[Tensor, Tensor], Tensor]) -> OpFn:
     return lambda a, at, training: fn(_t(a, 0), _t(a, 1))
 
 
+# One implementation per op of engine/spec.json (tests/engine/test_ops.py holds them to it).
 OPS: dict[str, OpFn] = {
     "linear": _linear,
     "conv2d": _conv2d,
@@ -136,8 +135,10 @@ def check_loss_shapes(op: str, pred: Tensor, target: Tensor) -> None:
     if target.dtype != torch.int64:
         raise ValueError(f"cross_entropy needs int64 class targets, got {target.dtype}")
     if len(p) not in (2, 3) or p[:-1] != t:
-        raise ValueError(f"cross_entropy needs logits [N,C] / [N,T,C] with targets [N] / [N,T]; "
-                         f"got logits {p} and targets {t}")
+        raise ValueError(
+            f"cross_entropy needs logits [N,C] / [N,T,C] with targets [N] / [N,T]; "
+            f"got logits {p} and targets {t}"
+        )
 
 
 def run_loss(op: str, pred: Tensor, target: Tensor) -> Tensor:
@@ -147,4 +148,4 @@ def run_loss(op: str, pred: Tensor, target: Tensor) -> Tensor:
     return F.cross_entropy(pred.reshape(-1, pred.shape[-1]), target.reshape(-1))
 
 
-LOSSES = ("cross_entropy", "mse")
+LOSSES: tuple[str, ...] = tuple(spec.GRAPH["losses"])

@@ -10,19 +10,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-
-class PositionalEmbedding(nn.Module):
-    """Learned positions: returns weight[0:T] for ids of shape [B, T] (graph op arange_embedding).
-
-    A module of its own so export maps it to one op instead of tracing torch.arange.
-    """
-
-    def __init__(self, block_size: int, dim: int) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.randn(block_size, dim) * 0.02)
-
-    def forward(self, ids: Tensor) -> Tensor:
-        return self.weight.narrow(0, 0, ids.shape[1])
+from engine.export import export_module
+from engine.layers import PositionalEmbedding
 
 
 class MLP(nn.Module):
@@ -68,8 +57,7 @@ class BasicBlock(nn.Module):
         self.bn2 = nn.BatchNorm2d(cout)
         self.shortcut = nn.Sequential()
         if stride != 1 or cin != cout:
-            self.shortcut = nn.Sequential(
-                nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout))
+            self.shortcut = nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout))
 
     def forward(self, x: Tensor) -> Tensor:
         out = F.relu(self.bn1(self.conv1(x)))
@@ -113,8 +101,7 @@ class CausalSelfAttention(nn.Module):
         return x.view(-1, self.block_size, self.heads, self.head_dim).transpose(1, 2)
 
     def forward(self, x: Tensor) -> Tensor:
-        q, k, v = self._split_heads(self.q(x)), self._split_heads(self.k(x)), self._split_heads(
-            self.v(x))
+        q, k, v = self._split_heads(self.q(x)), self._split_heads(self.k(x)), self._split_heads(self.v(x))
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         y = y.transpose(1, 2).reshape(-1, self.block_size, self.heads * self.head_dim)
         out: Tensor = self.proj(y)
@@ -138,8 +125,9 @@ class Block(nn.Module):
 class GPT(nn.Module):
     """Character-level GPT: token + learned positional embeddings, pre-LN causal blocks."""
 
-    def __init__(self, vocab: int = 65, block_size: int = 64, dim: int = 128, heads: int = 4,
-                 layers: int = 4) -> None:
+    def __init__(
+        self, vocab: int = 65, block_size: int = 64, dim: int = 128, heads: int = 4, layers: int = 4
+    ) -> None:
         super().__init__()
         self.tok = nn.Embedding(vocab, dim)
         self.pos = PositionalEmbedding(block_size, dim)
@@ -174,15 +162,29 @@ class PresetSpec:
 
 
 PRESETS: dict[str, PresetSpec] = {
-    "mlp": PresetSpec(MLP, (784,), "float32", "class",
-                      "MLP 784-128-10 for flattened 28x28 images (MNIST)"),
-    "cnn": PresetSpec(SmallCNN, (1, 28, 28), "float32", "class",
-                      "Small CNN (2 conv + 2 linear) for 1x28x28 images (Fashion-MNIST)"),
-    "resnet18": PresetSpec(ResNet18, (3, 32, 32), "float32", "class",
-                           "ResNet-18 (CIFAR variant, batchnorm, ~11.2M params) for 3x32x32"),
-    "gpt": PresetSpec(GPT, (64,), "int64", "sequence",
-                      "Char-level GPT (4 layers, 4 heads, dim 128, vocab 65, block 64)",
-                      classes=65),
+    "mlp": PresetSpec(MLP, (784,), "float32", "class", "MLP 784-128-10 for flattened 28x28 images (MNIST)"),
+    "cnn": PresetSpec(
+        SmallCNN,
+        (1, 28, 28),
+        "float32",
+        "class",
+        "Small CNN (2 conv + 2 linear) for 1x28x28 images (Fashion-MNIST)",
+    ),
+    "resnet18": PresetSpec(
+        ResNet18,
+        (3, 32, 32),
+        "float32",
+        "class",
+        "ResNet-18 (CIFAR variant, batchnorm, ~11.2M params) for 3x32x32",
+    ),
+    "gpt": PresetSpec(
+        GPT,
+        (64,),
+        "int64",
+        "sequence",
+        "Char-level GPT (4 layers, 4 heads, dim 128, vocab 65, block 64)",
+        classes=65,
+    ),
 }
 
 
@@ -195,8 +197,6 @@ def build_preset(name: str, seed: int = 0) -> nn.Module:
 
 def export_preset(name: str, seed: int = 0) -> tuple[dict[str, Any], dict[str, Tensor]]:
     """Graph dict and initial weights of a preset (deterministic for a given seed)."""
-    from engine.export import export_module  # export pulls in torch.fx; only load when needed
-
     spec = PRESETS.get(name)
     module = build_preset(name, seed)
     assert spec is not None

@@ -187,7 +187,14 @@ PROJECT_PROGRESS_FIELDS = (
     "metrics_chart",
 )
 PROJECT_MODEL_FIELDS = (
-    "owner", "dataset", "preset", "graph_link", "flops", "max_activation_mb", "data_cursor", "created_at"
+    "owner",
+    "dataset",
+    "preset",
+    "graph_link",
+    "flops",
+    "max_activation_mb",
+    "data_cursor",
+    "created_at",
 )
 
 

@@ -150,8 +150,16 @@ def _read_npz(data: Source) -> dict[str, np.ndarray]:
             return {key: _read_member(archive, members[key], headers[key]) for key in members}
     except DatasetError:
         raise
-    except (zipfile.BadZipFile, OSError, EOFError, RuntimeError, NotImplementedError, ValueError,
-            struct.error, OverflowError) as exc:  # RuntimeError: encrypted; NotImplementedError: method
+    except (
+        zipfile.BadZipFile,
+        OSError,
+        EOFError,
+        RuntimeError,
+        NotImplementedError,
+        ValueError,
+        struct.error,
+        OverflowError,
+    ) as exc:  # RuntimeError: encrypted; NotImplementedError: method
         raise DatasetError(f"The .npz file is damaged: {str(exc)[:200]}") from exc
 
 

@@ -13,11 +13,11 @@ from django.core.files.uploadedfile import UploadedFile
 from django.db import transaction
 
 from engine import codecs
-from engine.graph import MAX_ACTIVATION_BYTES, Graph, GraphError, activation_memory, infer_shapes, load_graph
+from engine.graph import MAX_ACTIVATION_BYTES, Graph, GraphError, activation_memory, load_graph
 from engine.presets import PRESETS
 from projects.datasets import DatasetError, ParsedDataset, dataset_create, dataset_parse_npz
 from projects.models import DEFAULT_MAX_ACTIVATION_MB, Dataset, Project
-from projects.services import TRAINING_SETTINGS, project_create, project_create_from_graph
+from projects.services import TRAINING_SETTINGS, graph_mismatch, project_create, project_create_from_graph
 
 MAX_GRAPH_BYTES = 2 * 2**20
 SOURCE_PRESET, SOURCE_UPLOAD = "preset", "upload"
@@ -42,8 +42,8 @@ def parse_upload(upload: UploadedFile) -> ParsedDataset:
         raise forms.ValidationError(str(exc)) from exc
 
 
-def preset_mismatch(*, preset: str, input_shape: list[int], num_classes: int) -> str:
-    """Why a dataset cannot train a preset ('' if it can)."""
+def preset_mismatch(*, preset: str, input_shape: list[int], num_classes: int) -> str | None:
+    """Why a dataset cannot train a preset (None if it can)."""
     spec = PRESETS[preset]
     if spec.target != "class":
         return f"The {preset} preset needs sequence targets; .npz datasets have one class label per sample."
@@ -52,7 +52,7 @@ def preset_mismatch(*, preset: str, input_shape: list[int], num_classes: int) ->
         return f"The {preset} preset expects samples of shape {expected}; the dataset has {input_shape}."
     if num_classes > spec.classes:
         return f"The {preset} preset has {spec.classes} outputs; the dataset has {num_classes} classes."
-    return ""
+    return None
 
 
 def read_limited(upload: UploadedFile, limit: int) -> bytes:
@@ -81,8 +81,8 @@ def parse_weights_upload(upload: UploadedFile) -> Tensors:
         raise forms.ValidationError(f"Not a usable safetensors file: {exc}") from exc
 
 
-def weights_mismatch(*, graph: Graph, weights: Tensors) -> str:
-    """Why `weights` cannot be the graph's params + buffers ('' if they can), naming the first culprit."""
+def weights_mismatch(*, graph: Graph, weights: Tensors) -> str | None:
+    """Why `weights` cannot be the graph's params + buffers (None if they can), naming the first culprit."""
     specs = {spec.name: spec.shape for spec in (*graph.params, *graph.buffers)}
     for name, shape in specs.items():
         tensor = weights.get(name)
@@ -93,21 +93,7 @@ def weights_mismatch(*, graph: Graph, weights: Tensors) -> str:
         if not tensor.is_floating_point() or not bool(torch.isfinite(tensor).all()):
             return f"Tensor '{name}' must hold finite float values."
     extra = sorted(set(weights) - set(specs))
-    return f"Tensor '{extra[0]}' is not a param or buffer of the graph." if extra else ""
-
-
-def graph_mismatch(*, graph: Graph, input_shape: list[int], num_classes: int) -> str:
-    """Why a dataset cannot train an uploaded graph ('' if it can); mirrors preset_mismatch."""
-    target = graph.targets[0]
-    if graph.loss.op != "cross_entropy" or target.dtype != "int64" or list(target.shape) != [-1]:
-        return "The graph needs a cross_entropy loss on one class label per sample, like .npz datasets have."
-    sample_shape = list(graph.inputs[0].shape[1:])
-    if sample_shape != list(input_shape):
-        return f"The graph expects samples of shape {sample_shape}; the dataset has {input_shape}."
-    classes = infer_shapes(graph, batch=1)[graph.output][-1]
-    if classes < num_classes:
-        return f"The graph predicts {classes} classes; the dataset has {num_classes}."
-    return ""
+    return f"Tensor '{extra[0]}' is not a param or buffer of the graph." if extra else None
 
 
 class DatasetAddForm(forms.ModelForm):
@@ -135,19 +121,27 @@ class ProjectAddForm(forms.ModelForm):
     owner: User | None = None
 
     model_source = forms.ChoiceField(
-        choices=[(SOURCE_PRESET, "A preset architecture"),
-                 (SOURCE_UPLOAD, "Upload graph.json + weights.safetensors (manage.py export_model)")],
-        initial=SOURCE_PRESET, required=False, widget=forms.RadioSelect, label="Model source",
+        choices=[
+            (SOURCE_PRESET, "A preset architecture"),
+            (SOURCE_UPLOAD, "Upload graph.json + weights.safetensors (manage.py export_model)"),
+        ],
+        initial=SOURCE_PRESET,
+        required=False,
+        widget=forms.RadioSelect,
+        label="Model source",
     )
     preset = forms.ChoiceField(
         choices=preset_choices, required=False, help_text="The model architecture to train."
     )
     graph_file = forms.FileField(
-        label="graph.json", required=False, widget=forms.ClearableFileInput(attrs={"accept": ".json"}),
+        label="graph.json",
+        required=False,
+        widget=forms.ClearableFileInput(attrs={"accept": ".json"}),
         help_text="The model graph (docs/graph-format.md), at most 2 MB.",
     )
     weights_file = forms.FileField(
-        label="weights.safetensors", required=False,
+        label="weights.safetensors",
+        required=False,
         widget=forms.ClearableFileInput(attrs={"accept": ".safetensors"}),
         help_text="Initial params and buffers as safetensors (never pickles).",
     )
@@ -163,7 +157,10 @@ class ProjectAddForm(forms.ModelForm):
         max_length=200, required=False, help_text="Name of the uploaded dataset (default: the file name)."
     )
     max_activation_mb = forms.IntegerField(
-        label="Max activation MiB", required=False, min_value=1, max_value=MAX_ACTIVATION_BYTES // 2**20,
+        label="Max activation MiB",
+        required=False,
+        min_value=1,
+        max_value=MAX_ACTIVATION_BYTES // 2**20,
         help_text=f"{Project._meta.get_field('max_activation_mb').help_text} Default "
         f"{DEFAULT_MAX_ACTIVATION_MB}.",
     )

@@ -2,7 +2,8 @@
 
 A work unit is a slice of training data on one model version; each time it is sent to a volunteer a
 Result (an instance) is created with its own deadline. Validation and training live in validation.py
-and training.py; this module only moves work units and results between states.
+and training.py; this module only moves work units and results between states (to invalid too, when
+validation.py says so or a result's own words give it away) and tells volunteers where theirs ended up.
 
 Projects that spot-check by replication (`spot_check_by` "replica", BOINC's adaptive replication) decide
 here, when an instance is sent, whether it is checked: always for volunteers not yet trusted, for a
@@ -29,14 +30,15 @@ from django.db import transaction
 from django.db.models import Q, QuerySet, Sum
 from django.utils import timezone
 
+from engine import spec
 from projects import notify
 from projects.blobs import blob_put
 from projects.models import DatasetShard, ModelVersion, Project, Result, WorkUnit
 from workers.models import Device, Volunteer
-from workers.services import volunteer_ensure
+from workers.services import volunteer_ensure, volunteer_record_invalid
 
 # A connection may hold this many instances at once: one computing, one prefetched.
-MAX_IN_FLIGHT = 2
+MAX_IN_FLIGHT = spec.MAX_IN_FLIGHT
 # A received result still unvalidated this long after arrival has most likely lost its validate_result
 # message (worker SIGKILLed mid-task: Redis redelivers unacked tasks only after an hour; Redis restarted
 # empty; or the broker was down when daphne queued it). The transitioner queues it again.
@@ -118,7 +120,11 @@ def _locate(*, project: Project, index: int) -> tuple[DatasetShard, int]:
 
 
 def work_unit_assign(*, user: User, device: Device | None = None) -> Result | None:
-    """Send one instance of the next open work unit to `user`, sized for their device."""
+    """Send one instance of the next open work unit to `user`, sized for their device; none while the
+    volunteer is paused for a run of invalid results."""
+    volunteer = volunteer_ensure(user=user)
+    if not volunteer.may_work(now=timezone.now()):
+        return None
     with transaction.atomic():
         work_unit = _next_open_work_unit(user=user)
         if work_unit is None:
@@ -129,7 +135,7 @@ def work_unit_assign(*, user: User, device: Device | None = None) -> Result | No
             )
         work_unit.wanted -= 1
         work_unit.total_results += 1
-        _plan_spot_check(work_unit=work_unit, user=user)
+        _plan_spot_check(work_unit=work_unit, volunteer=volunteer)
         work_unit.save(
             update_fields=["wanted", "total_results", "count", "target_results", "min_quorum", "spot_check"]
         )
@@ -137,32 +143,42 @@ def work_unit_assign(*, user: User, device: Device | None = None) -> Result | No
         return Result.objects.create(work_unit=work_unit, volunteer=user, device=device, deadline=deadline)
 
 
-def _plan_spot_check(*, work_unit: WorkUnit, user: User) -> None:
+def _plan_spot_check(*, work_unit: WorkUnit, volunteer: Volunteer) -> None:
     """Decided once per work unit, when an instance is sent. By replica: one more instance, which the
     scheduler never gives to a volunteer holding one. By the server: it computes the slice's update now,
     while the volunteer does, so that validating the result is only a comparison."""
     project = work_unit.project
     if project.spot_check_by == Project.SpotCheckBy.REPLICA:
-        if work_unit.target_results == 1 and _check_drawn(project=project, user=user):
+        if work_unit.target_results == 1 and _check_drawn(project=project, volunteer=volunteer):
             work_unit.replicate()
             transaction.on_commit(notify.work_available)  # the replica is for someone else
-    elif not work_unit.spot_check and _check_drawn(project=project, user=user):
+    elif not work_unit.spot_check and _check_drawn(project=project, volunteer=volunteer):
         work_unit.spot_check = True
         if project.flops_per_sample * work_unit.count >= settings.CROWDTRAIN["REFERENCE_MIN_FLOPS"]:
             transaction.on_commit(partial(notify.reference_wanted, work_unit_id=work_unit.pk))
 
 
-def _check_drawn(*, project: Project, user: User) -> bool:
+def _check_drawn(*, project: Project, volunteer: Volunteer) -> bool:
     """BOINC's adaptive replication: every result of a volunteer not trusted yet is checked, and a
     `spot_check_rate` share of a trusted one's."""
-    trusted = volunteer_ensure(user=user).is_trusted(threshold=project.trust_threshold)
+    trusted = volunteer.is_trusted(threshold=project.trust_threshold)
     return not trusted or random.random() < project.spot_check_rate
+
+
+def _sendable() -> QuerySet[WorkUnit]:
+    running = Project.Status.RUNNING
+    return WorkUnit.objects.filter(status=WorkUnit.Status.OPEN, wanted__gt=0, project__status=running)
+
+
+def work_sendable() -> bool:
+    """Is an instance of some running project's work waiting to be sent?"""
+    return _sendable().exists()
 
 
 def _next_open_work_unit(*, user: User) -> WorkUnit | None:
     return (
-        WorkUnit.objects.select_for_update(skip_locked=True, of=("self",), no_key=True)
-        .filter(status=WorkUnit.Status.OPEN, wanted__gt=0, project__status=Project.Status.RUNNING)
+        _sendable()
+        .select_for_update(skip_locked=True, of=("self",), no_key=True)
         .exclude(results__volunteer=user)
         .select_related(
             "project", "version__weights", "version__wire_weights", "shard__blob", "project__graph"
@@ -225,6 +241,20 @@ def result_receive(
     return result_outcome(result=Result.objects.select_related("credit").get(pk=result.pk))
 
 
+def result_refuse(*, user: User, work_unit_id: int, reason: str) -> bool:
+    """The volunteer answered an instance it holds with a result the protocol refuses (a malformed message):
+    that instance is invalid at once and its slice goes to someone else, rather than waiting for its
+    deadline. False if the volunteer holds no such instance in progress (then nothing changes)."""
+    with transaction.atomic():
+        result = _result_for(user=user, work_unit_id=work_unit_id)
+        if result.status != Result.Status.IN_PROGRESS:
+            return False
+        result.status, result.received_at = Result.Status.RECEIVED, timezone.now()
+        result.save(update_fields=["status", "received_at"])
+        _refuse(result=result, reason=reason)
+    return True
+
+
 def _record_arrival(*, result: Result, samples: int, loss: float, compute_ms: int, download_ms: int) -> None:
     """The client's timings are its word only: a device can never claim more time than the server saw the
     instance out (they drive the device's speed and the dashboard's compute share, never credit)."""
@@ -236,18 +266,16 @@ def _record_arrival(*, result: Result, samples: int, loss: float, compute_ms: in
     result.compute_ms, result.download_ms = min(max(0, compute_ms), bound), min(max(0, download_ms), bound)
 
 
-def _version_problem(*, result: Result, model_version: int | None) -> str:
+def _version_problem(*, result: Result, model_version: int | None) -> str | None:
     expected = result.work_unit.version.number
     if model_version is None or model_version == expected:
-        return ""
+        return None
     return f"computed on model version {model_version}, but the work unit is on version {expected}"
 
 
 def _refuse(*, result: Result, reason: str) -> None:
     """Invalid without validation (its own words give it away): as validation.py's verdicts, no credit,
     trust reset and the slice wanted again; its volunteer hears it like any verdict."""
-    from projects.validation import result_invalidate  # validation builds on this module
-
     result.work_unit = (
         WorkUnit.objects.select_for_update(no_key=True).select_related("project").get(pk=result.work_unit_id)
     )
@@ -287,6 +315,25 @@ def _outcome_status(result: Result) -> str:
     if result.status != Result.Status.RECEIVED:
         return "late"
     return str(result.validation)
+
+
+def results_announce(*, result_ids: list[int]) -> None:
+    """Tell each volunteer how its result was judged, once the verdict committed; an invalid result's slice
+    is wanted again, so every volunteer hears of work."""
+    invalid = False
+    for result in Result.objects.filter(pk__in=result_ids).select_related("credit").order_by("pk"):
+        outcome = result_outcome(result=result)
+        notify.result_decided(
+            user_id=result.volunteer_id,
+            work_unit_id=outcome.work_unit_id,
+            status=outcome.status,
+            reason=outcome.reason,
+            credit_flops=outcome.credit_flops,
+            total_credit_flops=outcome.total_credit_flops,
+        )
+        invalid = invalid or result.validation == Result.Validation.INVALID
+    if invalid:
+        notify.work_available()
 
 
 # --- giving back, timing out, cancelling -----------------------------------------------------------
@@ -378,6 +425,23 @@ def _reopen(*, work_unit: WorkUnit, failed: bool) -> None:
         work_unit.wanted += 1
         work_unit.total_results -= 1
         work_unit.save(update_fields=["wanted", "total_results"])
+
+
+def result_invalidate(*, result: Result, reason: str) -> None:
+    """Invalid: no credit, trust reset, and another instance of an open work unit is wanted. The caller
+    holds the locks of the result and of its work unit (`result.work_unit`). Refusals (above) and
+    validation.py's verdicts alike."""
+    result_reject(result=result, reason=reason)
+    if result.work_unit.is_open:
+        work_unit_fail(work_unit=result.work_unit)
+
+
+def result_reject(*, result: Result, reason: str) -> None:
+    """Invalid, and its volunteer's trust reset; whether its slice is wanted again is the caller's call (a
+    quorum decides that for all its results at once)."""
+    result.validation, result.reason = Result.Validation.INVALID, reason[:200]
+    result.save(update_fields=["validation", "reason", "update_norm", "spot_checked", "checked"])
+    volunteer_record_invalid(user_id=result.volunteer_id)
 
 
 def work_unit_fail(*, work_unit: WorkUnit) -> None:

@@ -225,7 +225,8 @@ class ModelVersion(models.Model):
         return f"{self.project} v{self.number}"
 
     @property
-    def download(self) -> Blob:
+    def wire_blob(self) -> Blob:
+        """The wire weights' blob, the one volunteers download: `wire_weights`, or `weights` under fp32."""
         return self.wire_weights or self.weights
 
 

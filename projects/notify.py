@@ -1,10 +1,13 @@
-"""Side effects after a commit: queue Celery tasks and tell connected volunteers over the channel layer."""
+"""The outbox: side effects after a commit, by id. Celery tasks are queued and connected volunteers are told
+over the channel layer; nothing here reads the database or decides anything (the services do, and call
+these from `transaction.on_commit`). It imports no other module of projects/, so every one may use it."""
 
 from __future__ import annotations
 
 from asgiref.sync import async_to_sync
 from channels.layers import get_channel_layer
-from django.conf import settings
+
+from crowdtrain.celery import app
 
 VOLUNTEERS_GROUP = "volunteers"
 
@@ -19,62 +22,53 @@ def _group_send(group: str, message: dict[str, object]) -> None:
         async_to_sync(layer.group_send)(group, message)
 
 
-def feed_requested(*, project_id: int) -> None:
-    from projects import tasks
+def _enqueue(task: str, *args: object) -> None:
+    # By name: tasks.py imports every service, so importing it here would close a circle. projects.apps
+    # imports it in every process, so the name is always registered (and eager test runs run it in place).
+    app.tasks[f"projects.tasks.{task}"].delay(*args)
 
-    tasks.feed_project.delay(project_id)
+
+def feed_requested(*, project_id: int) -> None:
+    _enqueue("feed_project", project_id)
 
 
 def result_received(*, result_id: int) -> None:
-    from projects import tasks
-
-    tasks.validate_result.delay(result_id)
+    _enqueue("validate_result", result_id)
 
 
 def reference_wanted(*, work_unit_id: int) -> None:
-    from projects import tasks
-
-    tasks.compute_reference.delay(work_unit_id)
-
-
-def result_decided(*, result_id: int) -> None:
-    """Tell the volunteer how its result was judged; valid results may complete a round."""
-    from projects import tasks, training
-    from projects.lifecycle import result_outcome
-    from projects.models import Result
-
-    result = Result.objects.select_related("work_unit").get(pk=result_id)
-    outcome = result_outcome(result=result)
-    _group_send(
-        user_group(result.volunteer_id),
-        {
-            "type": "result.decided",
-            "work_unit": outcome.work_unit_id,
-            "status": outcome.status,
-            "reason": outcome.reason,
-            "credit_flops": outcome.credit_flops,
-            "total_credit_flops": outcome.total_credit_flops,
-        },
-    )
-    # Any verdict may be the one the round waited for (it closes only once every result received is judged).
-    if training.round_ready(project_id=result.work_unit.project_id):
-        tasks.project_step.delay(result.work_unit.project_id)
-    if result.validation == Result.Validation.INVALID:
-        work_available()  # its slice is open again
+    _enqueue("compute_reference", work_unit_id)
 
 
 def results_decided(*, result_ids: list[int]) -> None:
-    for result_id in result_ids:
-        result_decided(result_id=result_id)
+    """Verdicts committed outside a validation (refusals, give-ups, abandons): their announcement, and the
+    step any of them may complete (training.results_decided), run in a task."""
+    _enqueue("results_decided", result_ids)
 
 
-def version_published(*, version_id: int, number: int) -> None:
-    """The step fed the next round in its transaction: volunteers may ask for it."""
-    from projects import tasks
+def step_wanted(*, project_id: int) -> None:
+    _enqueue("project_step", project_id)
 
-    work_available()
-    if number % settings.CROWDTRAIN["EVAL_EVERY_VERSIONS"] == 0:
-        tasks.evaluate_version.delay(version_id)
+
+def evaluation_wanted(*, version_id: int) -> None:
+    _enqueue("evaluate_version", version_id)
+
+
+def result_decided(
+    *, user_id: int, work_unit_id: int, status: str, reason: str, credit_flops: int, total_credit_flops: int
+) -> None:
+    """Tell a volunteer how its result was judged."""
+    _group_send(
+        user_group(user_id),
+        {
+            "type": "result.decided",
+            "work_unit": work_unit_id,
+            "status": status,
+            "reason": reason,
+            "credit_flops": credit_flops,
+            "total_credit_flops": total_credit_flops,
+        },
+    )
 
 
 def work_available() -> None:

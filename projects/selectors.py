@@ -11,7 +11,6 @@ from django.utils import timezone
 from projects.models import Metric, ModelVersion, Project, Result
 
 TEST_ACCURACY = "test_accuracy"
-TEST_LOSS = "test_loss"
 
 
 @dataclass(frozen=True)

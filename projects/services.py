@@ -124,15 +124,28 @@ def _graph_for_dataset(*, graph_dict: dict[str, Any], dataset: Dataset, max_acti
         graph = load_graph(graph_dict, max_activation_bytes=max_activation_mb * 2**20)
     except GraphError as exc:
         raise ProjectError(f"Invalid model graph: {exc}") from exc
-    sample_shape = list(graph.inputs[0].shape[1:])
-    if sample_shape != list(dataset.input_shape):
-        raise ProjectError(
-            f"The model expects samples of shape {sample_shape}, the dataset has {dataset.input_shape}."
-        )
-    classes = infer_shapes(graph, batch=1)[graph.output][-1]
-    if graph.loss.op == "cross_entropy" and classes < dataset.num_classes:
-        raise ProjectError(f"The model predicts {classes} classes, the dataset has {dataset.num_classes}.")
+    problem = graph_mismatch(
+        graph=graph, input_shape=list(dataset.input_shape), num_classes=dataset.num_classes
+    )
+    if problem:
+        raise ProjectError(problem)
     return graph
+
+
+def graph_mismatch(*, graph: Graph, input_shape: list[int], num_classes: int) -> str | None:
+    """Why a dataset of `input_shape` samples and `num_classes` classes cannot train `graph` (None if it can).
+    Datasets hold one integer class label per sample (projects/datasets.py), so the graph needs a
+    cross_entropy loss on an int64 label per sample: an mse loss would regress the label's number."""
+    target = graph.targets[0]
+    if graph.loss.op != "cross_entropy" or target.dtype != "int64" or list(target.shape) != [-1]:
+        return "The graph needs a cross_entropy loss on one class label per sample, like .npz datasets have."
+    sample_shape = list(graph.inputs[0].shape[1:])
+    if sample_shape != list(input_shape):
+        return f"The graph expects samples of shape {sample_shape}; the dataset has {input_shape}."
+    classes = infer_shapes(graph, batch=1)[graph.output][-1]
+    if classes < num_classes:
+        return f"The graph predicts {classes} classes; the dataset has {num_classes}."
+    return None
 
 
 def project_start(*, project: Project) -> Project:
@@ -198,7 +211,7 @@ def version_weights(*, version: ModelVersion) -> Tensors:
 
 def version_wire_weights(*, version: ModelVersion) -> Tensors:
     """The weights exactly as volunteers decode them: what an honest update was computed from."""
-    return codecs.decode(version.download.read())[0]
+    return codecs.decode(version.wire_blob.read())[0]
 
 
 # --- evaluation -----------------------------------------------------------------------------------

@@ -18,8 +18,14 @@ def feed_project(project_id: int) -> int:
 
 @shared_task
 def feed_work_units() -> int:
+    """The feeder's beat. It also announces unsent work on every beat, not only work it just created: a
+    volunteer told `idle` is owed an assign, and the one `work.available` it waits for can be lost (a group
+    message to a busy connection expires) or come while its back-off still runs: each beat is a new chance."""
     running = Project.objects.filter(status=Project.Status.RUNNING).values_list("pk", flat=True)
-    return sum(feed_project(project_id) for project_id in running)
+    created = sum(lifecycle.work_units_feed(project_id=project_id) for project_id in running)
+    if lifecycle.work_sendable():
+        notify.work_available()
+    return created
 
 
 @shared_task
@@ -50,7 +56,16 @@ def transition() -> int:
     retry_jitter=True,
 )
 def validate_result(result_id: int) -> str:
-    return str(validation.result_validate(result_id=result_id).validation)
+    result, decided = validation.result_validate(result_id=result_id)
+    # Announced here, once its transaction committed, not through notify.results_decided's task: the verdict
+    # completing a round queues the step with no extra trip through the queue.
+    training.results_decided(result_ids=decided)
+    return str(result.validation)
+
+
+@shared_task
+def results_decided(result_ids: list[int]) -> None:
+    training.results_decided(result_ids=result_ids)
 
 
 @shared_task

@@ -14,14 +14,21 @@ Only each work unit's canonical result is aggregated: when a slice was replicate
 from __future__ import annotations
 
 from datetime import timedelta
+from functools import partial
 
 import torch
+from django.conf import settings
 from django.db import transaction
 from django.utils import timezone
 
-from engine import aggregate, codecs
+from engine import aggregate, codecs, optim
 from projects import notify
-from projects.lifecycle import VALIDATION_GIVE_UP_SECONDS, work_units_cancel, work_units_feed
+from projects.lifecycle import (
+    VALIDATION_GIVE_UP_SECONDS,
+    results_announce,
+    work_units_cancel,
+    work_units_feed,
+)
 from projects.models import ModelVersion, Project, Result, WorkUnit
 from projects.services import project_graph, version_publish, version_weights
 
@@ -29,13 +36,14 @@ Tensors = dict[str, torch.Tensor]
 TRIM = 0.2
 
 
-def project_step(*, project_id: int, force: bool = False) -> ModelVersion | None:
-    """Publish the next version if the current round is complete (or `force`d after its timeout)."""
+def project_step(*, project_id: int) -> ModelVersion | None:
+    """Publish the next version if the current round is complete."""
     with transaction.atomic():
         project = Project.objects.select_for_update(no_key=True).get(pk=project_id)
         current = project.current_version()
+        _hold_arrivals(project=project, current=current)
         results = list(_pending(project=project, current=current))
-        if not results or not _round_complete(project=project, current=current, results=results, force=force):
+        if not results or not _round_complete(project=project, current=current, results=results):
             return None
         version = _publish(project=project, current=current, results=results)
         _cancel_stale(project=project, version=version)
@@ -44,17 +52,47 @@ def project_step(*, project_id: int, force: bool = False) -> ModelVersion | None
             project.save(update_fields=["status"])
         # The next round's work now, not in a task of its own: volunteers are waiting for it.
         work_units_feed(project_id=project_id)
-    transaction.on_commit(lambda: notify.version_published(version_id=version.pk, number=version.number))
+    transaction.on_commit(partial(_version_announce, version=version))
     return version
 
 
+def _hold_arrivals(*, project: Project, current: ModelVersion) -> None:
+    """Lock the round's instances still out before judging whether the round is complete. result_receive
+    holds an arriving result's row while it stores it: the step now waits for that arrival and then for its
+    verdict, or locks first and cancels it (the result is then late, never received). Without this a step
+    could close the round under a result received on time and leave it unjudged."""
+    if project.mode == Project.Mode.ASYNC_SGD:
+        return
+    out = Result.objects.filter(work_unit__version=current, status=Result.Status.IN_PROGRESS)
+    list(out.select_for_update(no_key=True, of=("self",)).order_by("pk").values_list("pk", flat=True))
+
+
+def _version_announce(*, version: ModelVersion) -> None:
+    notify.work_available()  # the step fed the next round in its transaction: volunteers may ask for it
+    if version.number % settings.CROWDTRAIN["EVAL_EVERY_VERSIONS"] == 0:
+        notify.evaluation_wanted(version_id=version.pk)
+
+
+def results_decided(*, result_ids: list[int]) -> None:
+    """After verdicts committed: tell their volunteers, and queue the step of each project whose round they
+    completed. Any verdict, valid or not, may be the one its round waited for (a round closes only once every
+    result received during it is judged, see _round_complete)."""
+    if not result_ids:
+        return
+    results_announce(result_ids=result_ids)
+    projects = WorkUnit.objects.filter(results__pk__in=result_ids).values_list("project_id", flat=True)
+    for project_id in sorted(set(projects)):
+        if round_ready(project_id=project_id):
+            notify.step_wanted(project_id=project_id)
+
+
 def round_ready(*, project_id: int) -> bool:
-    """Would project_step publish now? Asked after every valid result, so that only the result completing a
+    """Would project_step publish now? Asked after every verdict, so that only the verdict completing a
     round queues the (locking) step, not all of them."""
     project = Project.objects.get(pk=project_id)
     current = project.current_version()
     results = _pending(project=project, current=current)
-    return bool(results) and _round_complete(project=project, current=current, results=results, force=False)
+    return bool(results) and _round_complete(project=project, current=current, results=results)
 
 
 def _pending(*, project: Project, current: ModelVersion) -> list[Result]:
@@ -70,8 +108,8 @@ def _pending(*, project: Project, current: ModelVersion) -> list[Result]:
     return list(results.order_by("pk"))
 
 
-def _round_complete(*, project: Project, current: ModelVersion, results: list[Result], force: bool) -> bool:
-    if project.mode == Project.Mode.ASYNC_SGD or force:
+def _round_complete(*, project: Project, current: ModelVersion, results: list[Result]) -> bool:
+    if project.mode == Project.Mode.ASYNC_SGD:
         return True
     target_met = sum(r.samples for r in results) >= project.round_samples
     expired = timezone.now() - current.created_at >= timedelta(seconds=project.round_timeout)
@@ -149,10 +187,10 @@ def _step(*, project: Project, version: ModelVersion, update: Tensors) -> tuple[
     weights = version_weights(version=version)
     state = codecs.decode(version.optimizer_state.read())[0] if version.optimizer_state else {}
     if project.mode == Project.Mode.AVERAGING:
-        return aggregate.outer_nesterov_step(
+        return optim.outer_nesterov_step(
             weights, update, state, lr=project.learning_rate, momentum=project.momentum
         )
-    return aggregate.sgd_step(
+    return optim.sgd_step(
         weights,
         update,
         state,

@@ -45,7 +45,7 @@ from engine.runtime import compute_gradients, local_steps
 from projects import notify
 from projects.blobs import blob_put
 from projects.datasets import shard_load
-from projects.lifecycle import results_abandon, results_awaiting_quorum, work_unit_fail
+from projects.lifecycle import result_invalidate, result_reject, results_abandon, results_awaiting_quorum
 from projects.models import Project, Result, WorkUnit
 from projects.services import project_graph, version_wire_weights
 from workers.models import Device, Volunteer
@@ -77,9 +77,12 @@ REPLICA_REFERENCE = "another volunteer's result for the same work unit"
 CANONICAL_REFERENCE = "the accepted result of this work unit"
 
 
-def result_validate(*, result_id: int) -> Result:
+def result_validate(*, result_id: int) -> tuple[Result, list[int]]:
     """Decide a received result: valid (credited, may be aggregated) or invalid (its slice is resent); in
-    a replicated work unit, pending until a quorum of results is in, which then decides them all."""
+    a replicated work unit, pending until a quorum of results is in, which then decides them all. Returns
+    the result and the ids of every result decided, for the caller to announce once this commits
+    (training.results_decided): late results get their verdict too, so no volunteer waits for an answer that
+    never comes."""
     with transaction.atomic():
         # The work unit before its results: a quorum decides several results at once, and the work unit's
         # lock serialises them; lifecycle.py takes locks in the same order. Only the work unit's row: locking
@@ -94,12 +97,10 @@ def result_validate(*, result_id: int) -> Result:
         locked = Result.objects.select_for_update(of=("self",), no_key=True)
         result = locked.select_related("blob").get(pk=result_id)
         if result.status != Result.Status.RECEIVED or result.validation != Result.Validation.PENDING:
-            return result
+            return result, []
         result.work_unit = work_unit
         decided = _judge_or_invalidate(result)
-    # Late results get their verdict too, so no volunteer waits for an answer that never comes.
-    transaction.on_commit(lambda: notify.results_decided(result_ids=[r.pk for r in decided]))
-    return result
+    return result, [r.pk for r in decided]
 
 
 def _judge_or_invalidate(result: Result) -> list[Result]:
@@ -153,7 +154,7 @@ def _judge(result: Result) -> list[Result]:
     return [result]
 
 
-def _lateness(work_unit: WorkUnit) -> str:
+def _lateness(work_unit: WorkUnit) -> str | None:
     if work_unit.status == WorkUnit.Status.CANCELLED:
         return "the round closed before this result was validated"
     if work_unit.status == WorkUnit.Status.ERRORED:
@@ -164,11 +165,11 @@ def _lateness(work_unit: WorkUnit) -> str:
     staleness = project.current_version().number - work_unit.version.number
     if project.mode == Project.Mode.ASYNC_SGD and not project.staleness_weight(staleness=staleness):
         return f"computed on a version {staleness} steps old (the bound is {project.staleness_bound})"
-    return ""
+    return None
 
 
-def _own_problem(result: Result) -> tuple[str, Tensors]:
-    """The checks every result gets on its own: why it fails them ('' if it passes), and its params."""
+def _own_problem(result: Result) -> tuple[str | None, Tensors]:
+    """The checks every result gets on its own: why it fails them (None if it passes), and its params."""
     work_unit = result.work_unit
     if result.samples != work_unit.count:
         return f"expected {work_unit.count} samples, got {result.samples}", {}
@@ -217,7 +218,7 @@ def _norm(update: Tensors) -> float:
     return math.sqrt(sum(float((t.double() ** 2).sum()) for t in update.values()))
 
 
-def _norm_problem(*, result: Result, norm: float) -> str:
+def _norm_problem(*, result: Result, norm: float) -> str | None:
     norms = (
         Result.objects.filter(work_unit__project=result.work_unit.project, validation=Result.Validation.VALID)
         .exclude(update_norm=None)
@@ -227,20 +228,20 @@ def _norm_problem(*, result: Result, norm: float) -> str:
     recent = [n for n in norms if n is not None]
     result.update_norm = norm
     if len(recent) < 5 or norm <= NORM_OUTLIER_FACTOR * median(recent):
-        return ""
+        return None
     return f"update norm {norm:.3g} is over {NORM_OUTLIER_FACTOR:g}x the recent median {median(recent):.3g}"
 
 
-def _spot_check(*, result: Result, update: Tensors) -> str:
+def _spot_check(*, result: Result, update: Tensors) -> str | None:
     """A server-side spot check, when the project does them and this result is due one."""
     project = result.work_unit.project
     if project.spot_check_by != Project.SpotCheckBy.SERVER:
-        return ""  # replicas are decided when work is sent (lifecycle.work_unit_assign)
+        return None  # replicas are decided when work is sent (lifecycle.work_unit_assign)
     # Drawn when the work was sent (lifecycle.work_unit_assign); a volunteer that lost its trust since
     # is checked all the same.
     trusted = volunteer_ensure(user=result.volunteer).is_trusted(threshold=project.trust_threshold)
     if trusted and not result.work_unit.spot_check:
-        return ""
+        return None
     result.spot_checked = True
     reference = _reference(work_unit=result.work_unit)
     return _disagreement(project=project, update=update, reference=reference, against=SERVER_REFERENCE)
@@ -268,8 +269,8 @@ def work_unit_compute_reference(*, work_unit_id: int) -> bool:
     return WorkUnit.objects.filter(pk=work_unit_id, reference=None).update(reference=blob) == 1
 
 
-def _disagreement(*, project: Project, update: Tensors, reference: Tensors, against: str) -> str:
-    """Why `update` is not the same update as `reference` ('' if it is): the relative L2 distance within the
+def _disagreement(*, project: Project, update: Tensors, reference: Tensors, against: str) -> str | None:
+    """Why `update` is not the same update as `reference` (None if it is): the relative L2 distance within the
     codec's tolerance, or for graphs with dropout the statistical test. Used for server recomputations and
     for comparing replicas alike."""
     if _stochastic(project_graph(project=project)):
@@ -277,14 +278,14 @@ def _disagreement(*, project: Project, update: Tensors, reference: Tensors, agai
     distance = _norm({k: update[k] - reference[k] for k in reference}) / max(_norm(reference), 1e-12)
     if distance > TOLERANCE[project.codec]:
         return f"differs from {against} by {distance:.1%}"
-    return ""
+    return None
 
 
 def _stochastic(graph: Graph) -> bool:
     return any(node.op == "dropout" and node.attrs.get("p", 0) > 0 for node in graph.nodes)
 
 
-def _statistical_problem(*, update: Tensors, reference: Tensors, against: str) -> str:
+def _statistical_problem(*, update: Tensors, reference: Tensors, against: str) -> str | None:
     """Dropout masks are random, so an honest update only points the same way as the server's, with a
     similar norm (measured here: cosine 0.65-0.75 for the CNN preset's 0.25 dropout); sign flips, noise
     and scaling do not."""
@@ -293,7 +294,7 @@ def _statistical_problem(*, update: Tensors, reference: Tensors, against: str) -
     ratio = float(a.norm() / max(float(b.norm()), 1e-30))
     if cosine < MIN_COSINE or not 1 / MAX_NORM_RATIO <= ratio <= MAX_NORM_RATIO:
         return f"does not match {against} (cosine {cosine:.2f}, norm ratio {ratio:.2f})"
-    return ""
+    return None
 
 
 def _flat(tensors: Tensors) -> torch.Tensor:
@@ -354,13 +355,13 @@ def _quorum(*, work_unit: WorkUnit, result: Result, update: Tensors) -> list[Res
     for candidate in sorted(candidates, key=lambda r: r.volunteer_id):
         candidate.work_unit = work_unit
         candidate.spot_checked = True
-        reason = ""
+        reason: str | None = None
         if candidate is not canonical:
             reason = _disagreement(
                 project=project, update=updates[candidate.pk], reference=reference, against=REPLICA_REFERENCE
             )
         if reason:
-            _reject(result=candidate, reason=reason)
+            result_reject(result=candidate, reason=reason)
         else:
             _validate(result=candidate)
     _settle(work_unit=work_unit, canonical=canonical)
@@ -397,29 +398,13 @@ def _judge_against_canonical(*, result: Result, update: Tensors) -> Result:
         against=CANONICAL_REFERENCE,
     )
     if reason:
-        _reject(result=result, reason=reason)
+        result_reject(result=result, reason=reason)
     else:
         _validate(result=result)
     return result
 
 
 # --- verdicts -------------------------------------------------------------------------------------
-
-
-def result_invalidate(*, result: Result, reason: str) -> None:
-    """Invalid: no credit, trust reset, and another instance of an open work unit is wanted. The caller
-    holds the locks of the result and of its work unit (`result.work_unit`)."""
-    _reject(result=result, reason=reason)
-    if result.work_unit.is_open:
-        work_unit_fail(work_unit=result.work_unit)
-
-
-def _reject(*, result: Result, reason: str) -> None:
-    result.validation, result.reason = Result.Validation.INVALID, reason[:200]
-    result.save(update_fields=["validation", "reason", "update_norm", "spot_checked", "checked"])
-    Volunteer.objects.filter(user_id=result.volunteer_id).update(
-        consecutive_valid=0, results_invalid=F("results_invalid") + 1
-    )
 
 
 def _validate(*, result: Result) -> None:
@@ -429,7 +414,9 @@ def _validate(*, result: Result) -> None:
     result.save(update_fields=["validation", "update_norm", "spot_checked", "checked"])
     flops = project.flops_per_sample * result.work_unit.count
     credit_grant(user=result.volunteer, result=result, flops=flops)
-    Volunteer.objects.filter(user_id=result.volunteer_id).update(consecutive_valid=F("consecutive_valid") + 1)
+    Volunteer.objects.filter(user_id=result.volunteer_id).update(
+        consecutive_valid=F("consecutive_valid") + 1, consecutive_invalid=0
+    )
     _observe_device(result=result, flops=flops)
 
 

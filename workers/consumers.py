@@ -25,6 +25,7 @@ from projects.lifecycle import (
     MAX_IN_FLIGHT,
     ResultError,
     result_receive,
+    result_refuse,
     results_release,
     work_unit_assign,
 )
@@ -34,8 +35,8 @@ from workers.protocol import ProtocolError, ResultMeta
 from workers.services import device_disconnect, device_register
 
 logger = logging.getLogger(__name__)
-UNAUTHENTICATED = 4401
-THROTTLED = 4429
+UNAUTHENTICATED = protocol.CLOSE_UNAUTHENTICATED
+THROTTLED = protocol.CLOSE_THROTTLED
 
 
 class VolunteerConsumer(AsyncWebsocketConsumer):
@@ -99,6 +100,10 @@ class VolunteerConsumer(AsyncWebsocketConsumer):
         if released:
             await self.channel_layer.group_send(notify.VOLUNTEERS_GROUP, {"type": "work.available"})
 
+    async def _condemn(self, work_unit_id: int, *, reason: str) -> None:
+        await database_sync_to_async(result_refuse)(user=self.user, work_unit_id=work_unit_id, reason=reason)
+        self.assigned.discard(work_unit_id)
+
     async def _attempt(self, what: str, step: Awaitable[None]) -> None:
         try:
             await step
@@ -118,7 +123,12 @@ class VolunteerConsumer(AsyncWebsocketConsumer):
         if bytes_data is not None:
             await self.on_tensors(bytes_data)
             return
-        message = protocol.parse_message(text_data or "")
+        try:
+            message = protocol.parse_message(text_data or "")
+        except ProtocolError as exc:
+            if exc.work_unit is not None and exc.work_unit in self.assigned:
+                await self._condemn(exc.work_unit, reason=f"the result message was refused: {exc}")
+            raise
         if message.type != "hello" and not self.greeted:
             raise ProtocolError("protocol", "Say hello first.")
         await getattr(self, f"on_{message.type}")(message)

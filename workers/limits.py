@@ -53,10 +53,14 @@ def connect_allowed(*, user_id: int | None, address: str | None) -> bool:
     return all(counts)
 
 
+def current_window() -> int:
+    """The number of the current one-minute window (a seam: tests hold the clock still)."""
+    return int(time.time() // CONNECT_WINDOW_SECONDS)
+
+
 def _count(key: str) -> int:
     """Fixed one-minute windows: one Redis INCR per connect, the key expiring with its window."""
-    window = int(time.time() // CONNECT_WINDOW_SECONDS)
-    full_key = f"ws-connect:{key}:{window}"
+    full_key = f"ws-connect:{key}:{current_window()}"
     try:
         cache.add(full_key, 0, timeout=CONNECT_WINDOW_SECONDS * 2)
         return int(cache.incr(full_key))

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import secrets
-from datetime import datetime
+from datetime import datetime, timedelta
 
 from django.conf import settings
 from django.db import models
@@ -11,6 +11,8 @@ from django.utils import timezone
 
 MAX_BIGINT = 2**63 - 1
 MAX_OBSERVED_MS = 2**31 - 1  # what one result's compute time can be stored as (projects.Result.compute_ms)
+# One invalid result can be a glitch (a GPU that overheated); this many in a row start a back-off.
+INVALID_STREAK = 2
 
 
 class Team(models.Model):
@@ -30,6 +32,10 @@ class Volunteer(models.Model):
     # Adaptive replication as in BOINC: trust grows with consecutive valid results, an invalid one resets it.
     consecutive_valid = models.PositiveIntegerField(default=0)
     results_invalid = models.PositiveIntegerField(default=0)
+    # BOINC's error back-off: a run of invalid results earns a pause in new work that doubles each time, so
+    # a poisoning account stops holding the work units of each round for honest volunteers.
+    consecutive_invalid = models.PositiveIntegerField(default=0)
+    no_work_until = models.DateTimeField(null=True, blank=True)
     created_at = models.DateTimeField(auto_now_add=True)
 
     def __str__(self) -> str:
@@ -37,6 +43,21 @@ class Volunteer(models.Model):
 
     def is_trusted(self, *, threshold: int) -> bool:
         return self.consecutive_valid >= threshold
+
+    def may_work(self, *, now: datetime) -> bool:
+        return self.no_work_until is None or self.no_work_until <= now
+
+    def record_invalid(self, *, now: datetime) -> None:
+        """One more invalid result: trust is gone, and a streak of them pauses new work (1, 2, 4... x the
+        back-off, up to the cap)."""
+        self.consecutive_valid = 0
+        self.results_invalid += 1
+        self.consecutive_invalid += 1
+        streak = self.consecutive_invalid - INVALID_STREAK
+        if streak >= 0:
+            limits = settings.CROWDTRAIN
+            pause = limits["INVALID_BACKOFF_SECONDS"] * 2 ** min(streak, 32)
+            self.no_work_until = now + timedelta(seconds=min(pause, limits["INVALID_BACKOFF_MAX_SECONDS"]))
 
 
 def server_client_id() -> str:

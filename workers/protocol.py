@@ -12,12 +12,16 @@ from typing import Annotated, Any, Literal, NoReturn
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError
 
+from engine import spec
 from projects.blobs import shard_url
 from projects.lifecycle import ResultOutcome
 from projects.models import Result
 
-PROTOCOL_VERSION = 1
-MAX_TEXT_FRAME = 64 * 1024
+# Shared with the browsers (engine/spec.json): the version, bounds and close codes they must respect.
+PROTOCOL_VERSION = spec.PROTOCOL_VERSION
+MAX_TEXT_FRAME: int = spec.PROTOCOL["max_text_frame"]
+CLOSE_UNAUTHENTICATED: int = spec.PROTOCOL["close_codes"]["unauthenticated"]
+CLOSE_THROTTLED: int = spec.PROTOCOL["close_codes"]["throttled"]
 MAX_COUNT = 2**31 - 1  # work unit ids, versions and samples fit PostgreSQL's integer columns
 MAX_MILLIS = 7 * 24 * 3600 * 1000  # no work unit takes a week
 MAX_GFLOPS = 1e9
@@ -44,7 +48,7 @@ Millis = Annotated[int, Field(ge=0, le=MAX_MILLIS)]
 Fraction = Annotated[float, Field(ge=0.0, le=1.0, allow_inf_nan=False)]
 Backend = Annotated[str, Field(min_length=1, max_length=20), AfterValidator(_storable)]
 UserAgent = Annotated[str, Field(max_length=1000), AfterValidator(_storable)]
-DeviceId = Annotated[str, Field(pattern=r"^[A-Za-z0-9_-]{8,64}$")]
+DeviceId = Annotated[str, Field(pattern=spec.PROTOCOL["device_id_pattern"])]
 
 
 class _Schema(BaseModel):
@@ -122,7 +126,7 @@ class ResultMeta:
 
 def parse_message(text: str) -> ClientMessage:
     if len(text) > MAX_TEXT_FRAME:
-        raise ProtocolError("too_large", "Text frames are limited to 64 KiB.")
+        raise ProtocolError("too_large", f"Text frames are limited to {MAX_TEXT_FRAME // 1024} KiB.")
     raw = _load_json(text)
     kind = raw.get("type") if isinstance(raw, dict) else None
     schema = SCHEMAS.get(kind) if isinstance(kind, str) else None
@@ -131,7 +135,17 @@ def parse_message(text: str) -> ClientMessage:
     try:
         return schema.model_validate(raw)
     except ValidationError as exc:
-        raise ProtocolError("bad_message", f"Malformed {kind}: {_describe(exc)}.") from None
+        message = f"Malformed {kind}: {_describe(exc)}."
+        raise ProtocolError("bad_message", message, work_unit=_named_work_unit(raw, kind)) from None
+
+
+def _named_work_unit(raw: dict[str, Any], kind: object) -> int | None:
+    """The work unit a malformed `result` answers, if it names one plainly: the server condemns that instance
+    instead of leaving it held until its deadline."""
+    work_unit = raw.get("work_unit")
+    if kind != "result" or type(work_unit) is not int or not 0 <= work_unit <= MAX_COUNT:
+        return None
+    return work_unit
 
 
 def _load_json(text: str) -> Any:
@@ -185,7 +199,7 @@ def assign_message(result: Result) -> dict[str, Any]:
             "model_version": work_unit.version.number,
             "task": project.task,
             "graph_url": project.graph.url,
-            "weights_url": work_unit.version.download.url,
+            "weights_url": work_unit.version.wire_blob.url,
             "shards": [
                 {
                     # Signed for this volunteer and project, and expiring: shards are not public.

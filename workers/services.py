@@ -20,6 +20,17 @@ def volunteer_ensure(*, user: User) -> Volunteer:
     return volunteer
 
 
+def volunteer_record_invalid(*, user_id: int) -> None:
+    """Inside the caller's transaction: the volunteer's row is locked as the plain UPDATE it replaces did."""
+    volunteer = Volunteer.objects.select_for_update(no_key=True).filter(user_id=user_id).first()
+    if volunteer is None:
+        return
+    volunteer.record_invalid(now=timezone.now())
+    volunteer.save(
+        update_fields=["consecutive_valid", "results_invalid", "consecutive_invalid", "no_work_until"]
+    )
+
+
 def credit_grant(*, user: User, result: Result, flops: int) -> CreditEntry:
     """Write one ledger line and bump the volunteer's total in the same transaction."""
     volunteer = volunteer_ensure(user=user)

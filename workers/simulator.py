@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import http.client
 import http.cookiejar
 import json
 import logging
@@ -39,14 +40,14 @@ from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 from websockets.typing import Origin
 
-from engine import codecs
+from engine import codecs, spec
 from engine.flops import train_flops_per_sample
 from engine.graph import Graph, load_graph
 from engine.runtime import compute_gradients, local_steps
 
 logger = logging.getLogger(__name__)
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = spec.PROTOCOL_VERSION
 BYZANTINE = ("none", "scaled", "sign_flip", "random", "nan", "stale_replay", "poison")
 # "poison" sends these in turn for its own work units (issue 9): a result must never stall validation.
 POISONS = ("deep_header", "nan", "wrong_shape", "version_lie", "huge_compute_ms")
@@ -160,16 +161,27 @@ class Unit:
     def parse(cls, raw: dict[str, Any]) -> Unit:
         local = raw.get("local") or {}
         return cls(
-            id=int(raw["id"]), project_id=int(raw["project"]["id"]), model_version=int(raw["model_version"]),
-            task=str(raw.get("task", "gradient")), graph_url=raw["graph_url"], weights_url=raw["weights_url"],
-            shards=list(raw["shards"]), batch_size=int(local.get("batch_size", raw["batch_size"])),
+            id=int(raw["id"]),
+            project_id=int(raw["project"]["id"]),
+            model_version=int(raw["model_version"]),
+            task=str(raw.get("task", "gradient")),
+            graph_url=raw["graph_url"],
+            weights_url=raw["weights_url"],
+            shards=list(raw["shards"]),
+            batch_size=int(local.get("batch_size", raw["batch_size"])),
             lr=float(local.get("lr", 0.0)),
-            momentum=float(local.get("momentum", 0.0)), codec=str(raw.get("codec", "int8")),
+            momentum=float(local.get("momentum", 0.0)),
+            codec=str(raw.get("codec", "int8")),
         )
 
     @property
     def samples(self) -> int:
         return sum(int(s["count"]) for s in self.shards)
+
+
+# Called with each work unit, its real compute seconds and its emulated device seconds (a benchmark's
+# account of whether this machine kept up with the speed it emulates).
+ComputeHook = Callable[[Unit, float, float], None]
 
 
 # --- emulated network and HTTP -----------------------------------------------------------------------
@@ -208,8 +220,13 @@ class Http:
         data = urllib.parse.urlencode(form).encode() if form is not None else None
         # Django's CSRF check wants a same-origin Referer on POSTs (strictly only over HTTPS).
         request = urllib.request.Request(url, data=data, headers={"Referer": url})
-        with self.opener.open(request, timeout=60) as response:
-            return bytes(response.read())
+        try:
+            with self.opener.open(request, timeout=60) as response:
+                return bytes(response.read())
+        except http.client.HTTPException as exc:
+            # A body cut off by a restarting server (IncompleteRead) is a dropped connection, as a browser's
+            # failed fetch is: the session reconnects and asks again instead of the volunteer giving up.
+            raise ConnectionResetError(f"{url}: {exc!r}") from exc
 
     def cookie(self, name: str) -> str | None:
         return next((c.value for c in self.cookies if c.name == name), None)
@@ -286,13 +303,15 @@ def poison_claims(kind: str, unit_version: int) -> dict[str, Any]:
     return {}
 
 
-def honest_update(graph: Graph, weights: Tensors, x: torch.Tensor, y: torch.Tensor, unit: Unit
-                  ) -> tuple[Tensors, float]:
+def honest_update(
+    graph: Graph, weights: Tensors, x: torch.Tensor, y: torch.Tensor, unit: Unit
+) -> tuple[Tensors, float]:
     """What an honest browser computes for `unit` (docs/protocol.md "Tasks"): the update and its loss."""
     inputs, targets = {graph.inputs[0].name: x}, {graph.targets[0].name: y}
     if unit.task == "local_steps":
-        local = local_steps(graph, weights, inputs, targets, batch_size=unit.batch_size, lr=unit.lr,
-                            momentum=unit.momentum)
+        local = local_steps(
+            graph, weights, inputs, targets, batch_size=unit.batch_size, lr=unit.lr, momentum=unit.momentum
+        )
         return local.delta, local.loss
     if unit.task != "gradient":
         raise SimulatorError(f"unknown task {unit.task!r}")
@@ -311,9 +330,13 @@ class Simulator:
     """One simulated volunteer; `run()` works until max_work_units / duration / stop(), then returns
     its stats."""
 
-    def __init__(self, config: SimulatorConfig,
-                 on_verdict: Callable[[int, Verdict], None] | None = None) -> None:
-        self.config, self.on_verdict = config, on_verdict
+    def __init__(
+        self,
+        config: SimulatorConfig,
+        on_verdict: Callable[[int, Verdict], None] | None = None,
+        on_compute: ComputeHook | None = None,
+    ) -> None:
+        self.config, self.on_verdict, self.on_compute = config, on_verdict, on_compute
         self.stats = SimulatorStats(config.username)
         self.http = Http(config.url)
         self.link = Link(config.bandwidth_mbit, config.latency_ms)
@@ -336,7 +359,7 @@ class Simulator:
     async def run(self) -> SimulatorStats:
         self.started = time.monotonic()
         try:
-            await self.authenticate()
+            await self._sign_in()
             while not self.finished():
                 await self._session()
         finally:
@@ -383,14 +406,28 @@ class Simulator:
 
     # --- HTTP: account and blobs
 
+    async def _sign_in(self) -> None:
+        """A server restarting while we sign in drops or refuses the request: wait and try again, with the
+        reconnects' backoff and limit (a sign-up that did land is then a plain login)."""
+        while True:
+            try:
+                await self.authenticate()
+                return
+            except OSError as exc:
+                if self.finished():
+                    raise
+                await self._reconnect_later(exc)
+
     async def authenticate(self) -> None:
         if self.config.signup:
             password = self.config.password
-            await self._post_form("/signup/", {"username": self.config.username,
-                                               "password1": password, "password2": password})
+            await self._post_form(
+                "/signup/", {"username": self.config.username, "password1": password, "password2": password}
+            )
         if self.http.cookie("sessionid") is None:  # not signed up (exists already) or plain login
-            await self._post_form("/login/", {"username": self.config.username,
-                                              "password": self.config.password})
+            await self._post_form(
+                "/login/", {"username": self.config.username, "password": self.config.password}
+            )
         if self.http.cookie("sessionid") is None:
             raise SimulatorError(f"{self.config.username}: login refused (wrong password?)")
 
@@ -430,8 +467,9 @@ class Simulator:
         headers = {"Cookie": self.http.cookie_header()}
         origin = self.config.url.rstrip("/")
         try:
-            async with connect(self._ws_url(), additional_headers=headers, origin=Origin(origin),
-                               max_size=2**26) as ws:
+            async with connect(
+                self._ws_url(), additional_headers=headers, origin=Origin(origin), max_size=2**26
+            ) as ws:
                 self.session = _Session(self, ws)
                 await self.session.run()
         except _Dropped:
@@ -537,10 +575,19 @@ class _Session:
 
     async def _hello(self) -> None:
         config = self.sim.config
-        await self.send({"type": "hello", "protocol": PROTOCOL_VERSION,
-                         "device": {"id": self.sim.device_id, "backend": "simulator",
-                                    "gflops": config.gflops, "user_agent": "crowdtrain-simulator"},
-                         "preferences": {"max_work_units": config.max_work_units}})
+        await self.send(
+            {
+                "type": "hello",
+                "protocol": PROTOCOL_VERSION,
+                "device": {
+                    "id": self.sim.device_id,
+                    "backend": "simulator",
+                    "gflops": config.gflops,
+                    "user_agent": "crowdtrain-simulator",
+                },
+                "preferences": {"max_work_units": config.max_work_units},
+            }
+        )
         welcome = await self._next()
         if welcome["type"] != "welcome":
             raise _ServerClosed("closed instead of welcome")
@@ -601,13 +648,20 @@ class _Work:
         x, y = await self._samples()
         download_ms = int((time.monotonic() - started) * 1000)
         update, loss, compute_s = await self._compute(graph, weights, x, y)
-        device_s = max(compute_s, self._device_seconds(flops))
+        device_s = self._device_time(compute_s, flops)
         if not await self._wait(device_s - compute_s):
             self.sim.stats.cancelled += 1
             return False
         self._maybe_fail()
         await self._send(self._payload(update), loss, int(device_s * 1000), download_ms)
         return True
+
+    def _device_time(self, compute_s: float, flops_per_sample: int) -> float:
+        """The emulated device's time, never shorter than the real computation; the hook sees both."""
+        emulated_s = self._device_seconds(flops_per_sample)
+        if self.sim.on_compute is not None:
+            self.sim.on_compute(self.unit, compute_s, emulated_s)
+        return max(compute_s, emulated_s)
 
     def _device_seconds(self, flops_per_sample: int) -> float:
         """How long the emulated device needs: samples x FLOPs (the server's own count) / speed."""
@@ -623,8 +677,9 @@ class _Work:
             ys.append(torch.from_numpy(arrays["y"][window]))
         return torch.cat(xs), torch.cat(ys)
 
-    async def _compute(self, graph: Graph, weights: Tensors, x: torch.Tensor, y: torch.Tensor
-                       ) -> tuple[Tensors, float, float]:
+    async def _compute(
+        self, graph: Graph, weights: Tensors, x: torch.Tensor, y: torch.Tensor
+    ) -> tuple[Tensors, float, float]:
         started = time.monotonic()
         # In a thread: torch releases the GIL, so many simulated volunteers compute side by side.
         update, loss = await asyncio.to_thread(honest_update, graph, weights, x, y, self.unit)
@@ -650,12 +705,17 @@ class _Work:
             raise _Dropped
 
     async def _send(self, payload: bytes, loss: float, compute_ms: int, download_ms: int) -> None:
-        await self.session.send({
-            "type": "result", "work_unit": self.unit.id, "model_version": self.unit.model_version,
-            "samples": self.unit.samples, "loss": loss,
-            "timings": {"download_ms": download_ms, "compute_ms": compute_ms},
-            **(poison_claims(self._poison_kind(), self.unit.model_version) if self._poisons() else {}),
-        })
+        await self.session.send(
+            {
+                "type": "result",
+                "work_unit": self.unit.id,
+                "model_version": self.unit.model_version,
+                "samples": self.unit.samples,
+                "loss": loss,
+                "timings": {"download_ms": download_ms, "compute_ms": compute_ms},
+                **(poison_claims(self._poison_kind(), self.unit.model_version) if self._poisons() else {}),
+            }
+        )
         started = time.monotonic()
         await self.sim.link.pace(len(payload), started)  # the upload's emulated duration, then it lands
         self.sim.awaiting.add(self.unit.id)

@@ -30,6 +30,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from devstack.chromium import CHROMIUM, CHROMIUM_ARGS
 from engine.codecs import encode
 from engine.presets import PRESETS, build_preset, export_preset
 
@@ -37,12 +38,6 @@ ROOT = Path(__file__).resolve().parents[2]
 BENCH = Path(__file__).resolve().parent
 RESULTS = ROOT / "benchmarks" / "results" / "engine.json"
 GOAL = 0.95
-
-# Same browser as tests/conftest.py launch_options() (not imported: that module needs Django).
-CHROMIUM = "/usr/bin/chromium"
-CHROMIUM_ARGS = ["--enable-unsafe-swiftshader", "--use-angle=swiftshader", "--no-sandbox",
-                 "--disable-background-networking", "--disable-component-update", "--disable-sync",
-                 "--no-first-run"]
 
 
 @dataclass(frozen=True)
@@ -62,8 +57,10 @@ QUICK = {"mlp": Plan(64, 10, 3, 3), "cnn": Plan(32, 3, 3, 1), "resnet18": Plan(2
 def make_batch(model: str, batch: int, seed: int = 0) -> dict[str, torch.Tensor]:
     spec = PRESETS[model]
     gen = torch.Generator().manual_seed(seed)
-    return {"x": torch.randn((batch, *spec.input_shape), generator=gen),
-            "y": torch.randint(0, spec.classes, (batch,), generator=gen)}
+    return {
+        "x": torch.randn((batch, *spec.input_shape), generator=gen),
+        "y": torch.randint(0, spec.classes, (batch,), generator=gen),
+    }
 
 
 def write_blobs(model: str, plan: Plan, directory: Path) -> dict[str, str]:
@@ -71,20 +68,27 @@ def write_blobs(model: str, plan: Plan, directory: Path) -> dict[str, str]:
     (directory / f"{model}.graph.json").write_text(json.dumps(graph))
     (directory / f"{model}.weights").write_bytes(encode(weights, "fp32"))
     (directory / f"{model}.batch").write_bytes(encode(make_batch(model, plan.batch), "fp32"))
-    return {"graphUrl": f"/blobs/{model}.graph.json", "weightsUrl": f"/blobs/{model}.weights",
-            "batchUrl": f"/blobs/{model}.batch"}
+    return {
+        "graphUrl": f"/blobs/{model}.graph.json",
+        "weightsUrl": f"/blobs/{model}.weights",
+        "batchUrl": f"/blobs/{model}.batch",
+    }
 
 
 # ---- static server (the URL layout of tests/browser/conftest.py, plus /bench/) --------------------
 def _handler(blob_dir: Path) -> type[SimpleHTTPRequestHandler]:
-    routes = (("/static/vendor/", ROOT / "frontend" / "vendor"), ("/static/", ROOT / "frontend" / "static"),
-              ("/bench/", BENCH), ("/blobs/", blob_dir))
+    routes = (
+        ("/static/vendor/", ROOT / "frontend" / "vendor"),
+        ("/static/", ROOT / "frontend" / "static"),
+        ("/bench/", BENCH),
+        ("/blobs/", blob_dir),
+    )
 
     class Handler(SimpleHTTPRequestHandler):
         def translate_path(self, path: str) -> str:
             path = path.split("?", 1)[0]
             for prefix, base in routes:
-                rel = Path(path[len(prefix):])
+                rel = Path(path[len(prefix) :])
                 if path.startswith(prefix) and ".." not in rel.parts:
                     return str(base / rel)
             return str(BENCH / "__missing__")
@@ -113,7 +117,7 @@ def browser_results(url: str, jobs: list[dict[str, Any]]) -> list[dict[str, Any]
 
     out = []
     with sync_playwright() as pw:
-        browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS, headless=True)
+        browser = pw.chromium.launch(executable_path=CHROMIUM, args=list(CHROMIUM_ARGS), headless=True)
         page = browser.new_page()
         page.on("console", _echo_warnings)
         page.goto(f"{url}/bench/index.html")
@@ -121,8 +125,10 @@ def browser_results(url: str, jobs: list[dict[str, Any]]) -> list[dict[str, Any]
         for job in jobs:
             started = time.monotonic()
             result = page.evaluate("c => bench.run(c)", job)
-            print(f"  {job['backend']:5} {job['model']:8} done in {time.monotonic() - started:5.0f} s",
-                  file=sys.stderr)
+            print(
+                f"  {job['backend']:5} {job['model']:8} done in {time.monotonic() - started:5.0f} s",
+                file=sys.stderr,
+            )
             out.append({**job, **result})
         browser.close()
     return out
@@ -156,22 +162,33 @@ def torch_ms_per_step(model: str, plan: Plan) -> list[float]:
 # ---- report ----------------------------------------------------------------------------------------
 def summarize(r: dict[str, Any], batch: int) -> dict[str, Any]:
     interp, hand = statistics.median(r["interpreter"]), statistics.median(r["handwritten"])
-    return {"backend": r["backend"], "model": r["model"], "batch": batch,
-            "interpreter_ms": interp, "handwritten_ms": hand,
-            "interpreter_sps": batch * 1000 / interp, "handwritten_sps": batch * 1000 / hand,
-            "ratio": hand / interp, "logits_rel_diff": r["relDiff"],
-            "raw_ms": {"interpreter": r["interpreter"], "handwritten": r["handwritten"]}}
+    return {
+        "backend": r["backend"],
+        "model": r["model"],
+        "batch": batch,
+        "interpreter_ms": interp,
+        "handwritten_ms": hand,
+        "interpreter_sps": batch * 1000 / interp,
+        "handwritten_sps": batch * 1000 / hand,
+        "ratio": hand / interp,
+        "logits_rel_diff": r["relDiff"],
+        "raw_ms": {"interpreter": r["interpreter"], "handwritten": r["handwritten"]},
+    }
 
 
 def table(rows: list[dict[str, Any]], torch_rows: dict[str, dict[str, Any]]) -> str:
-    head = f"{'backend':8}{'model':10}{'batch':>6}{'interp s/s':>12}{'hand s/s':>12}{'ratio':>8}  " \
-           f"{'torch-cpu s/s':>14}"
+    head = (
+        f"{'backend':8}{'model':10}{'batch':>6}{'interp s/s':>12}{'hand s/s':>12}{'ratio':>8}  "
+        f"{'torch-cpu s/s':>14}"
+    )
     lines = [head, "-" * len(head)]
     for r in rows:
         mark = "" if r["ratio"] >= GOAL else "  < goal"
-        lines.append(f"{r['backend']:8}{r['model']:10}{r['batch']:>6}{_sig(r['interpreter_sps']):>12}"
-                     f"{_sig(r['handwritten_sps']):>12}{r['ratio']:>7.3f}x  "
-                     f"{_sig(torch_rows[r['model']]['sps']):>14}{mark}")
+        lines.append(
+            f"{r['backend']:8}{r['model']:10}{r['batch']:>6}{_sig(r['interpreter_sps']):>12}"
+            f"{_sig(r['handwritten_sps']):>12}{r['ratio']:>7.3f}x  "
+            f"{_sig(torch_rows[r['model']]['sps']):>14}{mark}"
+        )
     return "\n".join(lines)
 
 
@@ -197,8 +214,12 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(f"unknown models {sorted(unknown)}; known: {sorted(plans)}")
     with tempfile.TemporaryDirectory() as tmp:
         urls = {m: write_blobs(m, plans[m], Path(tmp)) for m in models}
-        jobs = [{"backend": b, "model": m, **urls[m], **asdict(plans[m])}
-                for b in args.backends.split(",") if b for m in models]
+        jobs = [
+            {"backend": b, "model": m, **urls[m], **asdict(plans[m])}
+            for b in args.backends.split(",")
+            if b
+            for m in models
+        ]
         with serve(Path(tmp)) as url:
             raw = browser_results(url, jobs)
     rows = [summarize(r, plans[r["model"]].batch) for r in raw]
@@ -209,13 +230,21 @@ def main(argv: list[str] | None = None) -> None:
     print(table(rows, torch_rows))
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     machine = {"cpus": os.cpu_count() or 0, "python": platform.python_version(), "torch": torch.__version__}
-    RESULTS.write_text(json.dumps({
-        "goal_ratio": GOAL, "quick": args.quick, "machine": machine,
-        "plans": {m: asdict(plans[m]) for m in models}, "browser": rows,
-        "torch_cpu": list(torch_rows.values()),
-    }, indent=2) + "\n")
+    RESULTS.write_text(
+        json.dumps(
+            {
+                "goal_ratio": GOAL,
+                "quick": args.quick,
+                "machine": machine,
+                "plans": {m: asdict(plans[m]) for m in models},
+                "browser": rows,
+                "torch_cpu": list(torch_rows.values()),
+            },
+            indent=2,
+        )
+        + "\n"
+    )
     print(f"wrote {RESULTS.relative_to(ROOT)}")
-
 
 
 if __name__ == "__main__":

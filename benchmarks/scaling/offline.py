@@ -22,12 +22,12 @@ import django
 import numpy as np
 import torch
 
-from engine import aggregate, codecs
+from engine import aggregate, codecs, optim
 from engine.graph import Graph, load_graph
 from engine.presets import export_preset
 from engine.runtime import compute_gradients, evaluate, local_steps
 
-from .run import RESULTS, UNITS_PER_ROUND
+from .config import RESULTS, UNITS_PER_ROUND
 
 Tensors = dict[str, torch.Tensor]
 
@@ -80,11 +80,11 @@ def rounds_to_target(
             updates.append(update(seen, x[rows], y[rows]))
         mean = aggregate.weighted_mean(updates, [1.0] * len(updates))
         if setting.local_lr:
-            weights, state = aggregate.outer_nesterov_step(
+            weights, state = optim.outer_nesterov_step(
                 weights, mean, state, lr=setting.server_lr, momentum=0.9
             )
         else:
-            weights, state = aggregate.sgd_step(weights, mean, state, lr=setting.server_lr, momentum=0.9)
+            weights, state = optim.sgd_step(weights, mean, state, lr=setting.server_lr, momentum=0.9)
         curve.append(round(evaluate(graph, weights, {inp: x_test}, {tgt: y_test})["accuracy"], 4))
     return curve
 

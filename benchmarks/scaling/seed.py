@@ -1,16 +1,22 @@
-"""The scaling benchmark's project: an MLP on Fashion-MNIST (60,000 training images, flattened to 784).
+"""The scaling benchmark's project, and the benchmark's writes to the platform's database, through Django.
 
-run.py runs `seed` inside the platform (`manage.py shell -c ...`); the project starts as a draft and each run
-configures and starts it with SQL. Django is imported lazily: run.py itself is not a Django process.
+The runner runs `seed` once inside the platform (`manage.py shell -c ...`) on a template database, then
+`serve_run` for every run on that run's clone; the project starts as a draft and `configure` starts it with
+the run's settings. Django is imported lazily: the runner itself is not a Django process.
 """
 
 from __future__ import annotations
 
 import io
+import json
+import sys
+from typing import Any
 
 import numpy as np
 
 PROJECT = "Fashion-MNIST MLP (scaling benchmark)"
+CONFIGURED = "configured project"  # serve_run's line on stdout once the project runs, then its id
+OPENED = "opened the first round"  # and once the clock may start
 
 
 def flat_fashion_npz() -> bytes:
@@ -32,3 +38,38 @@ def seed() -> None:
     owner = User.objects.get(username="admin")
     dataset = dataset_create_from_npz(owner=owner, name="Fashion-MNIST, flat", data=flat_fashion_npz())
     project_create(owner=owner, name=PROJECT, dataset=dataset, preset="mlp")
+
+
+def configure(columns: dict[str, Any]) -> int:
+    """Start the benchmark project with a run's settings before any volunteer connects (everything else
+    paused), dropping work fed with other settings so the first round already has the run's size. Plain
+    column updates, as an operator's: no service may queue work before the platform's processes start."""
+    from projects.models import Project, WorkUnit
+
+    Project.objects.exclude(name=PROJECT).update(status=Project.Status.PAUSED)
+    running = {**columns, "data_cursor": 0, "status": Project.Status.RUNNING}
+    if not Project.objects.filter(name=PROJECT).update(**running):
+        raise RuntimeError("benchmark project missing")
+    WorkUnit.objects.filter(total_results=0).delete()
+    return Project.objects.get(name=PROJECT).pk
+
+
+def open_first_round(project_id: int) -> None:
+    """Version 0 was published when the template was seeded, minutes ago: its round would count as timed
+    out at once and close with the first result in. Date it now, when the clock starts."""
+    from django.utils import timezone
+
+    from projects.models import ModelVersion
+
+    ModelVersion.objects.filter(project_id=project_id).update(created_at=timezone.now())
+
+
+def serve_run(columns_json: str) -> None:
+    """A run's writes from one Django process started before the platform's: `configure` at once, then
+    `open_first_round` when a line comes on stdin, at the clock's start (a Django start-up takes seconds
+    here, and meanwhile the old version 0 would make beat time out the first round)."""
+    project_id = configure(json.loads(columns_json))
+    print(CONFIGURED, project_id, flush=True)
+    sys.stdin.readline()
+    open_first_round(project_id)
+    print(OPENED, flush=True)  # before this process takes its time to exit

@@ -3,7 +3,7 @@
     .venv/bin/python -m benchmarks.security.fuzz [--frames 100000] [--minutes 30] [--seed 1]
     make fuzz
 
-Starts the platform (tests/e2e/stack.py: daphne + Celery worker, validator and beat on a fresh PostgreSQL
+Starts the platform (devstack/stack.py: daphne + Celery worker, validator and beat on a fresh PostgreSQL
 database, Redis db 8), lets two simulated volunteers train the MNIST demo, and once the first version is out
 fuzzes the WebSocket protocol from three volunteer accounts until --frames frames or --minutes minutes.
 Prints a table (frames, frames/s, 1011 closes, stalls, tracebacks, 500s, broken invariants, peak RSS of each
@@ -24,9 +24,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-import psycopg
-
-from tests.e2e.stack import Stack
+from devstack.stack import Stack
 from tests.security.fuzz import UNTHROTTLED, Campaign, campaign, peak_rss_mb, tracebacks
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -34,13 +32,16 @@ RESULTS = ROOT / "benchmarks" / "results"
 PROCESSES = ("web", "worker", "validator", "beat")
 
 
-def start_stack(name: str, redis_db: int, round_timeout: int, env: dict[str, str] | None = None) -> Stack:
+def bench_stack(name: str, redis_db: int, round_timeout: int, env: dict[str, str] | None = None) -> Stack:
+    """Not started yet: `with bench_stack(...) as stack:` starts it and always stops it."""
     var_dir = Path(tempfile.mkdtemp(prefix=f"crowdtrain-{name}-"))
-    stack = Stack(var_dir=var_dir, database=os.environ.get("BENCH_STACK_DATABASE", f"crowdtrain_{name}"),
-                  redis_db=int(os.environ.get("BENCH_STACK_REDIS_DB", redis_db)), extra_env=env or {})
-    stack.start()
-    with psycopg.connect(stack.database_url) as conn:
-        conn.execute("UPDATE projects_project SET round_timeout = %s", (round_timeout,))
+    stack = Stack(
+        var_dir=var_dir,
+        database=os.environ.get("BENCH_STACK_DATABASE", f"crowdtrain_{name}"),
+        redis_db=int(os.environ.get("BENCH_STACK_REDIS_DB", redis_db)),
+        extra_env=env or {},
+        round_timeout=round_timeout,
+    )
     return stack
 
 
@@ -54,8 +55,12 @@ def table(rows: list[tuple[str, Any]]) -> str:
 
 
 def environment() -> dict[str, Any]:
-    return {"python": platform.python_version(), "machine": platform.machine(), "cpus": os.cpu_count(),
-            "date": time.strftime("%Y-%m-%d %H:%M:%S")}
+    return {
+        "python": platform.python_version(),
+        "machine": platform.machine(),
+        "cpus": os.cpu_count(),
+        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+    }
 
 
 def give_up_seconds() -> float:
@@ -73,22 +78,37 @@ def summarise(outcome: Campaign, stack: Stack) -> tuple[dict[str, Any], list[str
     logs = {name: stack.log(name) for name in PROCESSES}
     problems = outcome.problems(logs, stack.database_url, give_up_seconds=give_up_seconds())
     traced = {name: sum(n for n, _ in tracebacks(log).values()) for name, log in logs.items()}
-    summary = {**outcome.report.summary(), "tracebacks": traced, "versions": outcome.versions,
-               "longest_version_gap_s": round(outcome.longest_gap(), 1), "peak_rss_mb": peak_memory(stack),
-               "problems": problems, "environment": environment()}
+    summary = {
+        **outcome.report.summary(),
+        "tracebacks": traced,
+        "versions": outcome.versions,
+        "longest_version_gap_s": round(outcome.longest_gap(), 1),
+        "peak_rss_mb": peak_memory(stack),
+        "problems": problems,
+        "environment": environment(),
+    }
     return summary, problems
 
 
 def print_table(summary: dict[str, Any]) -> None:
-    print(table([
-        ("frames", summary["frames"]), ("connections", summary["connections"]),
-        ("seconds", summary["seconds"]), ("frames/s", summary["frames_per_second"]),
-        ("1011 closes", summary["crashes_1011"]), ("stalls", summary["stalls"]),
-        ("tracebacks", summary["tracebacks"]), ("handshake 5xx", summary["handshake_5xx"]),
-        ("versions", summary["versions"]),
-        ("longest gap without a version (s)", summary["longest_version_gap_s"]),
-        ("peak RSS (MiB)", summary["peak_rss_mb"]), ("problems", len(summary["problems"])),
-    ]))
+    print(
+        table(
+            [
+                ("frames", summary["frames"]),
+                ("connections", summary["connections"]),
+                ("seconds", summary["seconds"]),
+                ("frames/s", summary["frames_per_second"]),
+                ("1011 closes", summary["crashes_1011"]),
+                ("stalls", summary["stalls"]),
+                ("tracebacks", summary["tracebacks"]),
+                ("handshake 5xx", summary["handshake_5xx"]),
+                ("versions", summary["versions"]),
+                ("longest gap without a version (s)", summary["longest_version_gap_s"]),
+                ("peak RSS (MiB)", summary["peak_rss_mb"]),
+                ("problems", len(summary["problems"])),
+            ]
+        )
+    )
 
 
 def main() -> int:
@@ -97,14 +117,18 @@ def main() -> int:
     parser.add_argument("--minutes", type=float, default=30.0)
     parser.add_argument("--seed", type=int, default=1)
     args = parser.parse_args()
-    stack = start_stack("security_fuzz", 8, round_timeout=5, env=UNTHROTTLED)
-    try:
-        outcome = asyncio.run(campaign(stack.url, stack.database_url, frames=args.frames,
-                                     seconds=args.minutes * 60, seed=args.seed,
-                                     web_log=stack.var_dir / "web.log"))
+    with bench_stack("security_fuzz", 8, round_timeout=5, env=UNTHROTTLED) as stack:
+        outcome = asyncio.run(
+            campaign(
+                stack.url,
+                stack.database_url,
+                frames=args.frames,
+                seconds=args.minutes * 60,
+                seed=args.seed,
+                web_log=stack.var_dir / "web.log",
+            )
+        )
         summary, problems = summarise(outcome, stack)
-    finally:
-        stack.stop()
     print_table(summary)
     print(outcome.report.render())
     print("\n\n".join(problems))

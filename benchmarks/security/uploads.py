@@ -35,6 +35,7 @@ from typing import Any
 
 import numpy as np
 import psutil
+from django.utils.datastructures import MultiValueDict
 
 from tests.security import uploads as u
 
@@ -121,11 +122,16 @@ class Bench:
         from tests.integration.test_admin import project_form
 
         if upload.kind == u.NPZ:
-            return forms.DatasetAddForm({"name": upload.name}, {"file": spooled("f.npz", upload.data)})
-        graph, weights = ((upload.data, self.valid_weights) if upload.kind == u.GRAPH
-                          else (self.valid_graph, upload.data))
-        files = {"graph_file": spooled("graph.json", graph),
-                 "weights_file": spooled("weights.safetensors", weights)}
+            return forms.DatasetAddForm(
+                {"name": upload.name}, MultiValueDict({"file": [spooled("f.npz", upload.data)]})
+            )
+        graph, weights = (
+            (upload.data, self.valid_weights) if upload.kind == u.GRAPH else (self.valid_graph, upload.data)
+        )
+        files = {
+            "graph_file": spooled("graph.json", graph),
+            "weights_file": spooled("weights.safetensors", weights),
+        }
         data = project_form(name=upload.name, model_source="upload", preset="", dataset=str(self.dataset.pk))
         return type("Form", (forms.ProjectAddForm,), {"owner": self.owner})(data, files)
 
@@ -177,17 +183,32 @@ def named_cases() -> list[tuple[str, Callable[[], u.Upload]]]:
         ("honest", honest),
         ("npz", lambda: u.Upload(u.NPZ, "npz header shape (10**12, 1)", u.huge_shape_npz())),
         ("bomb", lambda: u.Upload(u.NPZ, "zip bomb: 1.47 GB of zeros", u.zip_bomb(1_470_000_000))),
-        ("bomb400", lambda: u.Upload(u.NPZ, "zip bomb: 400 MB (under the size limit)",
-                                     u.zip_bomb(400 * MIB))),
+        (
+            "bomb400",
+            lambda: u.Upload(u.NPZ, "zip bomb: 400 MB (under the size limit)", u.zip_bomb(400 * MIB)),
+        ),
         ("graph", lambda: u.Upload(u.GRAPH, "graph.json nested 100,000 deep", u.nested_json(100_000))),
-        ("act", lambda: u.Upload(u.GRAPH, "graph with activations of 1.5 TB per sample",
-                                 json.dumps(bomb).encode())),
-        ("st", lambda: u.Upload(u.WEIGHTS, "safetensors header nested 100,000 deep",
-                                u.safetensors(u.nested_json(100_000)))),
+        (
+            "act",
+            lambda: u.Upload(
+                u.GRAPH, "graph with activations of 1.5 TB per sample", json.dumps(bomb).encode()
+            ),
+        ),
+        (
+            "st",
+            lambda: u.Upload(
+                u.WEIGHTS, "safetensors header nested 100,000 deep", u.safetensors(u.nested_json(100_000))
+            ),
+        ),
         ("st89", lambda: u.Upload(u.WEIGHTS, "safetensors header of 89.5 MB", big_header())),
-        ("st16", lambda: u.Upload(u.WEIGHTS, "safetensors header of 16 MiB (the limit)",
-                                  u.safetensors(json.dumps({"__metadata__": {"p": "p" * (16 * MIB - 30)}})
-                                                .encode()))),
+        (
+            "st16",
+            lambda: u.Upload(
+                u.WEIGHTS,
+                "safetensors header of 16 MiB (the limit)",
+                u.safetensors(json.dumps({"__metadata__": {"p": "p" * (16 * MIB - 30)}}).encode()),
+            ),
+        ),
     ]
 
 
@@ -195,10 +216,14 @@ def summarise(rows: list[dict[str, Any]]) -> dict[str, Any]:
     outcomes = Counter(row["outcome"] for row in rows)
     slowest = max(rows, key=lambda row: row["seconds"])
     return {
-        "cases": len(rows), "by_kind": dict(Counter(row["kind"] for row in rows)),
-        "refused": outcomes["refused"], "accepted": outcomes["accepted"], "crashes": outcomes["crash"],
+        "cases": len(rows),
+        "by_kind": dict(Counter(row["kind"] for row in rows)),
+        "refused": outcomes["refused"],
+        "accepted": outcomes["accepted"],
+        "crashes": outcomes["crash"],
         "saved_by_refusals": sum(bool(row.get("saved_by_refusal")) for row in rows),
-        "slowest_seconds": slowest["seconds"], "slowest_case": slowest["name"],
+        "slowest_seconds": slowest["seconds"],
+        "slowest_case": slowest["name"],
         "peak_rss_delta_mib": max(row["rss_delta_mib"] for row in rows),
     }
 
@@ -225,24 +250,43 @@ def main() -> int:
         summary = {"named": summarise(named), "fuzz": summarise(fuzz)}
     finally:
         connection.creation.destroy_test_db(database, verbosity=0)
-    print(table([(row["name"], f"{row['outcome']:<8} {row['seconds']:>7.3f} s "
-                               f"{row['rss_delta_mib']:>8.1f} MiB  {row['error'][:90]}") for row in named]))
+    print(
+        table(
+            [
+                (
+                    row["name"],
+                    f"{row['outcome']:<8} {row['seconds']:>7.3f} s "
+                    f"{row['rss_delta_mib']:>8.1f} MiB  {row['error'][:90]}",
+                )
+                for row in named
+            ]
+        )
+    )
     print()
     print(table(list(summary["fuzz"].items())))
     crashes = [row for row in named + fuzz if row["outcome"] == "crash"]
     for row in crashes[:20]:
         print("CRASH", row["name"], row["error"])
     RESULTS.mkdir(exist_ok=True)
-    report = {"args": vars(args), **summary, "named_cases": named,
-              "crashes_detail": crashes[:50], "environment": _environment()}
+    report = {
+        "args": vars(args),
+        **summary,
+        "named_cases": named,
+        "crashes_detail": crashes[:50],
+        "environment": _environment(),
+    }
     (RESULTS / "security_uploads.json").write_text(json.dumps(report, indent=2) + "\n")
     saved = summary["fuzz"]["saved_by_refusals"] + summary["named"]["saved_by_refusals"]
     return 1 if crashes or saved else 0
 
 
 def _environment() -> dict[str, Any]:
-    return {"python": platform.python_version(), "machine": platform.machine(), "cpus": os.cpu_count(),
-            "date": time.strftime("%Y-%m-%d %H:%M:%S")}
+    return {
+        "python": platform.python_version(),
+        "machine": platform.machine(),
+        "cpus": os.cpu_count(),
+        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+    }
 
 
 if __name__ == "__main__":

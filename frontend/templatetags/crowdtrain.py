@@ -1,4 +1,4 @@
-"""Template filters: human-readable FLOP counts and rates."""
+"""Template filters: human-readable FLOP counts."""
 
 from __future__ import annotations
 
@@ -22,8 +22,3 @@ def format_flops(value: float) -> str:
 @register.filter
 def flops(value: float | None) -> str:
     return format_flops(value or 0)
-
-
-@register.filter
-def flops_per_second(value: float | None) -> str:
-    return f"{format_flops(value or 0)}/s"

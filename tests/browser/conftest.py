@@ -20,15 +20,20 @@ STATIC = ROOT / "frontend" / "static"
 VENDOR = ROOT / "frontend" / "vendor"
 HARNESS = Path(__file__).resolve().parent / "harness"
 
+
 class _Handler(SimpleHTTPRequestHandler):
     blob_dir: Path
 
     def translate_path(self, path: str) -> str:
         path = path.split("?", 1)[0].split("#", 1)[0]
-        for prefix, base in (("/static/vendor/", VENDOR), ("/static/", STATIC), ("/harness/", HARNESS),
-                             ("/blobs/", self.blob_dir)):
+        for prefix, base in (
+            ("/static/vendor/", VENDOR),
+            ("/static/", STATIC),
+            ("/harness/", HARNESS),
+            ("/blobs/", self.blob_dir),
+        ):
             if path.startswith(prefix):
-                rel = Path(path[len(prefix):])
+                rel = Path(path[len(prefix) :])
                 if ".." in rel.parts:
                     return str(base / "__forbidden__")
                 return str(base / rel)
@@ -74,5 +79,3 @@ def harness(browser: Any, static_server: StaticServer) -> Iterator[Any]:
     yield page
     context.close()
     assert not errors, errors
-
-

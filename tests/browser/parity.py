@@ -67,7 +67,9 @@ def _float64_inputs() -> Iterator[None]:
     import engine.runtime as rt
 
     original = rt._cast
-    rt._cast = lambda v, s: original(v, s).double() if s.dtype == "float32" else original(v, s)
+    rt._cast = lambda value, spec: (
+        original(value, spec).double() if spec.dtype == "float32" else original(value, spec)
+    )
     try:
         yield
     finally:
@@ -87,8 +89,9 @@ def float64_gradients(g: Graph, weights: Tensors, batch: Tensors) -> Tensors:
     return {k: v.float() for k, v in module.grads().items()}
 
 
-def float64_local_steps(g: Graph, weights: Tensors, batch: Tensors, batch_size: int, lr: float,
-                        momentum: float) -> Tensors:
+def float64_local_steps(
+    g: Graph, weights: Tensors, batch: Tensors, batch_size: int, lr: float, momentum: float
+) -> Tensors:
     """engine.runtime.local_steps in float64: the exact deltas, to judge float32 PyTorch and TF.js by."""
     from engine.runtime import GraphModule, _slice
 

@@ -24,7 +24,7 @@ def sample_tensors() -> dict[str, torch.Tensor]:
         "w": wide,
         "b": torch.randn(37, generator=gen),
         "ties": torch.tensor([0.5, 1.5, 2.5, -0.5, 127.0, -63.5, 1.0, 0.0]),  # round-half-even cases
-        "fp16_edges": torch.tensor([65504.0, 7e4, 6e-8, 3e-8, 1e-9, -2.0**-24, 1 / 3, 1e-5]),
+        "fp16_edges": torch.tensor([65504.0, 7e4, 6e-8, 3e-8, 1e-9, -(2.0**-24), 1 / 3, 1e-5]),
     }
 
 
@@ -76,7 +76,8 @@ def test_integer_shards_decode_in_browser(harness: Any) -> None:
         """s => { const d = crowdtrain.codecs.decode(Uint8Array.from(atob(s), c => c.charCodeAt(0)));
                   return {a: Array.from(d.a.data), b: Array.from(d.b.data),
                           t: d.a.data.constructor.name}; }""",
-        base64.b64encode(codecs.encode({"a": y32, "b": y64})).decode())
+        base64.b64encode(codecs.encode({"a": y32, "b": y64})).decode(),
+    )
     assert page_result["t"] == "Int32Array"
     assert page_result["a"] == y32.tolist() and page_result["b"] == y64.tolist()
 
@@ -106,14 +107,19 @@ JS_ERROR_FEEDBACK = """([updates, codec, blockSize]) => {
 def ef_updates() -> list[dict[str, torch.Tensor]]:
     """Updates with a steady part, so plain quantisation errors pile up step after step, plus noise."""
     gen = torch.Generator().manual_seed(9)
-    steady = {"w": torch.randn(3, 100, generator=gen) * torch.logspace(-4, 0, 100),
-              "b": torch.randn(37, generator=gen)}
-    return [{k: v * (1 + 0.05 * torch.randn(v.shape, generator=gen)) for k, v in steady.items()}
-            for _ in range(EF_STEPS)]
+    steady = {
+        "w": torch.randn(3, 100, generator=gen) * torch.logspace(-4, 0, 100),
+        "b": torch.randn(37, generator=gen),
+    }
+    return [
+        {k: v * (1 + 0.05 * torch.randn(v.shape, generator=gen)) for k, v in steady.items()}
+        for _ in range(EF_STEPS)
+    ]
 
 
-def browser_error_feedback(page: Any, updates: list[dict[str, torch.Tensor]], codec: str
-                           ) -> tuple[list[bytes], dict[str, torch.Tensor]]:
+def browser_error_feedback(
+    page: Any, updates: list[dict[str, torch.Tensor]], codec: str
+) -> tuple[list[bytes], dict[str, torch.Tensor]]:
     r = page.evaluate(JS_ERROR_FEEDBACK, [[b64(u) for u in updates], codec, EF_BLOCK])
     return [base64.b64decode(s) for s in r["sent"]], tensors_from_b64(r["residual"])
 
@@ -144,12 +150,20 @@ def test_error_feedback_sum_tracks_true_updates(harness: Any) -> None:
     for name in updates[0]:
         true_sum = torch.stack([u[name] for u in updates]).sum(0)
         ef_sum = torch.stack([codecs.decode(data)[0][name] for data in sent]).sum(0)
-        plain_sum = torch.stack([codecs.decode(codecs.encode({name: u[name]}, "int8", EF_BLOCK))[0][name]
-                                 for u in updates]).sum(0)
-        step = codecs.dequantize_int8(torch.ones_like(true_sum, dtype=torch.int8),
-                                      last_scales[name + ":scale"], EF_BLOCK)
+        plain_sum = torch.stack(
+            [codecs.decode(codecs.encode({name: u[name]}, "int8", EF_BLOCK))[0][name] for u in updates]
+        ).sum(0)
+        step = codecs.dequantize_int8(
+            torch.ones_like(true_sum, dtype=torch.int8), last_scales[name + ":scale"], EF_BLOCK
+        )
         ef_error, plain_error = (ef_sum - true_sum).abs(), (plain_sum - true_sum).abs()
-        record("error_feedback", {"tensor": name, "ef_max_over_step": float((ef_error / step).max()),
-                                  "plain_max_over_step": float((plain_error / step).max())})
+        record(
+            "error_feedback",
+            {
+                "tensor": name,
+                "ef_max_over_step": float((ef_error / step).max()),
+                "plain_max_over_step": float((plain_error / step).max()),
+            },
+        )
         assert bool((ef_error <= step * (1 + 1e-4) + 1e-7).all()), name
         assert float(plain_error.max()) > 2 * float(ef_error.max()), name  # without feedback it drifts

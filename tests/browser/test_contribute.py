@@ -28,7 +28,12 @@ CREDIT = 123_456_789
 def page_from_template(socket_url: str) -> str:
     """The template's content and scripts blocks with Django tags replaced by what they render to."""
     text = TEMPLATE.read_text()
-    block = lambda name: re.search(r"{% block " + name + r" %}(.*?){% endblock %}", text, re.S).group(1)  # noqa: E731
+
+    def block(name: str) -> str:
+        found = re.search(r"{% block " + name + r" %}(.*?){% endblock %}", text, re.S)
+        assert found is not None, f"no block {name} in {TEMPLATE}"
+        return found.group(1)
+
     html = block("content") + block("scripts")
     html = re.sub(r"{% static '([^']+)' %}", r"/static/\1", html)
     html = html.replace("{{ volunteer.total_flops|default:0 }}", "0")
@@ -65,8 +70,15 @@ class FakeServer:
             msg = json.loads(frame)
             self.frames.append(("json", msg))
             if msg["type"] == "hello":
-                ws.send(json.dumps({"type": "welcome", "protocol": 1,
-                                    "volunteer": {"username": "alice", "credit_flops": 1000}}))
+                ws.send(
+                    json.dumps(
+                        {
+                            "type": "welcome",
+                            "protocol": 1,
+                            "volunteer": {"username": "alice", "credit_flops": 1000},
+                        }
+                    )
+                )
             elif msg["type"] == "ready":
                 self.on_ready(ws)
             elif msg["type"] == "result":
@@ -91,20 +103,43 @@ class FakeServer:
     def on_tensors(self, ws: Any) -> None:
         unit, self.result_for = self.result_for, None
         self.in_flight.discard(unit)
-        ws.send(json.dumps({"type": "ack", "work_unit": unit, "accepted": True, "status": "pending",
-                            "reason": "", "credit_flops": 0, "total_credit_flops": 1000}))
+        ws.send(
+            json.dumps(
+                {
+                    "type": "ack",
+                    "work_unit": unit,
+                    "accepted": True,
+                    "status": "pending",
+                    "reason": "",
+                    "credit_flops": 0,
+                    "total_credit_flops": 1000,
+                }
+            )
+        )
         valid = unit == 1
-        ws.send(json.dumps({"type": "credit", "work_unit": unit, "status": "valid" if valid else "invalid",
-                            "reason": "" if valid else "differs from the server's recomputation by 80%",
-                            "credit_flops": CREDIT if valid else 0, "total_credit_flops": 1000 + CREDIT}))
+        ws.send(
+            json.dumps(
+                {
+                    "type": "credit",
+                    "work_unit": unit,
+                    "status": "valid" if valid else "invalid",
+                    "reason": "" if valid else "differs from the server's recomputation by 80%",
+                    "credit_flops": CREDIT if valid else 0,
+                    "total_credit_flops": 1000 + CREDIT,
+                }
+            )
+        )
 
     def json_types(self) -> list[str]:
         return [m["type"] if kind == "json" else "<binary>" for kind, m in self.frames]
 
     def results(self) -> list[tuple[dict[str, Any], bytes]]:
         """(result message, the binary frame right after it) pairs, in order."""
-        return [(m, self.frames[i + 1][1]) for i, (kind, m) in enumerate(self.frames)
-                if kind == "json" and m["type"] == "result"]
+        return [
+            (m, self.frames[i + 1][1])
+            for i, (kind, m) in enumerate(self.frames)
+            if kind == "json" and m["type"] == "result"
+        ]
 
 
 @pytest.fixture
@@ -113,14 +148,22 @@ def fake_server(static_server: Any) -> Iterator[FakeServer]:
     torch = pytest.importorskip("torch")
     x, y = torch.rand(40, 784), torch.randint(0, 10, (40,), dtype=torch.int32)
     put = lambda data: static_server.put_blob(hashlib.sha256(data).hexdigest(), data)  # noqa: E731
-    assign = {"project": {"id": 4, "name": "Digits MLP"}, "model_version": 1, "task": "local_steps",
-              "local": {"optimizer": "sgd", "lr": 0.05, "momentum": 0.9},
-              "graph_url": put(json.dumps(g).encode()), "weights_url": put(codecs.encode(weights)),
-              "shards": [{"url": put(codecs.encode({"x": x, "y": y})), "offset": 0, "count": 40}],
-              "batch_size": 16, "deadline": "2030-01-01T00:00:00Z", "codec": "int8"}
+    assign = {
+        "project": {"id": 4, "name": "Digits MLP"},
+        "model_version": 1,
+        "task": "local_steps",
+        "local": {"optimizer": "sgd", "lr": 0.05, "momentum": 0.9},
+        "graph_url": put(json.dumps(g).encode()),
+        "weights_url": put(codecs.encode(weights)),
+        "shards": [{"url": put(codecs.encode({"x": x, "y": y})), "offset": 0, "count": 40}],
+        "batch_size": 16,
+        "deadline": "2030-01-01T00:00:00Z",
+        "codec": "int8",
+    }
     server = FakeServer(assign)
-    server.reference = runtime.local_steps(g, weights, {"x": x}, {"y": y}, batch_size=16, lr=0.05,
-                                           momentum=0.9).delta
+    server.reference = runtime.local_steps(
+        g, weights, {"x": x}, {"y": y}, batch_size=16, lr=0.05, momentum=0.9
+    ).delta
     thread = threading.Thread(target=server.server.serve_forever, daemon=True)
     thread.start()
     yield server
@@ -150,8 +193,9 @@ def test_contribute_page_runs_the_protocol(browser: Any, static_server: Any, fak
     assert page.is_disabled("#stop")
     started = time.monotonic()
     page.click("#contribute")
-    page.wait_for_function("() => document.getElementById('work-units-done').textContent === '2'",
-                           timeout=120_000)
+    page.wait_for_function(
+        "() => document.getElementById('work-units-done').textContent === '2'", timeout=120_000
+    )
     page.wait_for_function("() => /invalid/.test(document.getElementById('log').textContent)")
     page.wait_for_function("() => /Waiting for work/.test(document.getElementById('status').textContent)")
     elapsed = time.monotonic() - started

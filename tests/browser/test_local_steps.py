@@ -35,10 +35,17 @@ def delta_errors(got: graphs.Tensors, want: graphs.Tensors, exact: graphs.Tensor
     floor = 1e-6 * max(float(t.abs().max()) for t in exact.values())
     vs_torch, vs_exact = max_errors(got, want, floor), max_errors(got, exact, floor)
     torch_own = max_errors(want, exact, floor)
-    bad = {k: vs_torch[k] for k in want
-           if vs_torch[k] > TOLERANCE and vs_exact[k] > max(TOLERANCE, 2 * torch_own[k])}
-    return {"vs_torch32": max(vs_torch.values()), "vs_float64": max(vs_exact.values()),
-            "torch32_vs_float64": max(torch_own.values()), "bad": bad}
+    bad = {
+        k: vs_torch[k]
+        for k in want
+        if vs_torch[k] > TOLERANCE and vs_exact[k] > max(TOLERANCE, 2 * torch_own[k])
+    }
+    return {
+        "vs_torch32": max(vs_torch.values()),
+        "vs_float64": max(vs_exact.values()),
+        "torch32_vs_float64": max(torch_own.values()),
+        "bad": bad,
+    }
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -51,16 +58,25 @@ def test_local_steps_match_torch(harness: Any, backend: str, name: str) -> None:
     exact = float64_local_steps(g, weights, batch, BATCH, LR, MOMENTUM)
 
     assert harness.evaluate("b => harness.useBackend(b)", backend) == backend
-    r = harness.evaluate("([g, w, b, n, lr, m]) => harness.localSteps(g, w, b, n, lr, m, 'fp32')",
-                         [json.dumps(g), b64(weights), b64(batch), BATCH, LR, MOMENTUM])
+    r = harness.evaluate(
+        "([g, w, b, n, lr, m]) => harness.localSteps(g, w, b, n, lr, m, 'fp32')",
+        [json.dumps(g), b64(weights), b64(batch), BATCH, LR, MOMENTUM],
+    )
     update, meta = codecs.decode(base64.b64decode(r["delta"]))
     params = {p["name"] for p in g["params"]}
     errors = delta_errors({k: v for k, v in update.items() if k in params}, want.delta, exact)
     buffers = max_errors({k: v for k, v in update.items() if k not in params}, want.buffers)
     loss = abs(r["loss"] - want.loss) / abs(want.loss)
-    record("local_steps", {"graph": name, "backend": backend, "loss": loss,
-                           "buffer_max": max(buffers.values(), default=0.0),
-                           **{k: v for k, v in errors.items() if k != "bad"}})
+    record(
+        "local_steps",
+        {
+            "graph": name,
+            "backend": backend,
+            "loss": loss,
+            "buffer_max": max(buffers.values(), default=0.0),
+            **{k: v for k, v in errors.items() if k != "bad"},
+        },
+    )
 
     assert meta["codec"] == "fp32" and r["samples"] == SAMPLES
     assert not errors["bad"], f"{name} on {backend}: {errors}"

@@ -56,18 +56,23 @@ def torch_reference(g: graphs.Graph, weights: graphs.Tensors, batch: graphs.Tens
     return {"grads": result.grads, "loss": result.loss, "buffers": result.buffers, "output": output}
 
 
-def browser_run(page: Any, backend: str, g: graphs.Graph, weights: graphs.Tensors,
-                batch: graphs.Tensors) -> dict[str, Any]:
+def browser_run(
+    page: Any, backend: str, g: graphs.Graph, weights: graphs.Tensors, batch: graphs.Tensors
+) -> dict[str, Any]:
     assert page.evaluate("b => harness.useBackend(b)", backend) == backend
     r = page.evaluate("([g, w, b]) => harness.gradients(g, w, b)", [json.dumps(g), b64(weights), b64(batch)])
     assert r["backend"] == backend
-    return {"grads": tensors_from_b64(r["grads"]), "loss": r["loss"],
-            "buffers": tensors_from_b64(r["buffers"]) if g["buffers"] else {},
-            "output": tensors_from_b64(r["output"])["output"]}
+    return {
+        "grads": tensors_from_b64(r["grads"]),
+        "loss": r["loss"],
+        "buffers": tensors_from_b64(r["buffers"]) if g["buffers"] else {},
+        "output": tensors_from_b64(r["output"])["output"],
+    }
 
 
-def compare(name: str, backend: str, got: dict[str, Any], want: dict[str, Any],
-            exact: graphs.Tensors) -> dict[str, float]:
+def compare(
+    name: str, backend: str, got: dict[str, Any], want: dict[str, Any], exact: graphs.Tensors
+) -> dict[str, float]:
     """Gradients are judged against float64: within 1e-4, or within twice PyTorch float32's own error
     where the model is ill-conditioned (ResNet-18's batch norm at batch 2 costs float32 torch ~16%).
     That error is the model's worst over all parameters: one parameter's float32 error is a noisy estimate
@@ -83,10 +88,18 @@ def compare(name: str, backend: str, got: dict[str, Any], want: dict[str, Any],
         "loss": abs(got["loss"] - want["loss"]) / max(abs(want["loss"]), 1e-12),
         "buffer_max": max(buffers.values(), default=0.0),
     }
-    record("parity", {"graph": name, "backend": backend, **errors,
-                      "grad_vs_torch32": max(vs_torch.values()), "grad_vs_float64": max(vs_exact.values()),
-                      "torch32_vs_float64": max(torch_own.values()),
-                      "worst_grad": max(vs_exact, key=vs_exact.__getitem__)})
+    record(
+        "parity",
+        {
+            "graph": name,
+            "backend": backend,
+            **errors,
+            "grad_vs_torch32": max(vs_torch.values()),
+            "grad_vs_float64": max(vs_exact.values()),
+            "torch32_vs_float64": max(torch_own.values()),
+            "worst_grad": max(vs_exact, key=vs_exact.__getitem__),
+        },
+    )
     bad = {k: v for k, v in errors.items() if not v <= TOLERANCE}
     float32_error = max(torch_own.values())
     bad.update({k: v for k, v in vs_exact.items() if not v <= max(TOLERANCE, 2 * float32_error)})
@@ -115,8 +128,9 @@ def test_preset(harness: Any, backend: str, name: str) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("name", "backend"), [("gpt", "webgl"), ("gpt", "cpu"), ("resnet18", "webgl"),
-                                               ("resnet18", "cpu")])
+@pytest.mark.parametrize(
+    ("name", "backend"), [("gpt", "webgl"), ("gpt", "cpu"), ("resnet18", "webgl"), ("resnet18", "cpu")]
+)
 def test_big_preset(harness: Any, backend: str, name: str) -> None:
     g, weights = preset(name)
     run_case(harness, backend, f"preset:{name}", g, weights, n=2)

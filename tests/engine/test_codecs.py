@@ -19,8 +19,11 @@ from engine.codecs import CodecError, ErrorFeedback, decode, encode
 
 def _tensors() -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(0)
-    return {"fc1.weight": torch.randn(7, 100, generator=g) * 3, "fc1.bias": torch.randn(7, generator=g),
-            "zeros": torch.zeros(300)}
+    return {
+        "fc1.weight": torch.randn(7, 100, generator=g) * 3,
+        "fc1.bias": torch.randn(7, generator=g),
+        "zeros": torch.zeros(300),
+    }
 
 
 def test_fp32_round_trip_is_exact_with_metadata() -> None:
@@ -118,14 +121,22 @@ q = torch.tensor([1, -2, 3], dtype=torch.int8)
 INVALID = [
     ("unknown codec", _raw({"a": torch.ones(2)}, codec="zip", block_size="256"), "unknown codec"),
     ("missing scale", _raw({"a": q}, codec="int8", block_size="2"), "missing or malformed"),
-    ("wrong scale count", _raw({"a": q, "a:scale": torch.ones(1)}, codec="int8", block_size="2"),
-     "missing or malformed"),
-    ("nan scale", _raw({"a": q, "a:scale": torch.tensor([1.0, math.nan])}, codec="int8", block_size="2"),
-     "non-finite"),
-    ("inf scale", _raw({"a": q, "a:scale": torch.tensor([math.inf])}, codec="int8", block_size="256"),
-     "non-finite"),
-    ("bad block size", _raw({"a": q, "a:scale": torch.ones(1)}, codec="int8", block_size="-1"),
-     "block_size"),
+    (
+        "wrong scale count",
+        _raw({"a": q, "a:scale": torch.ones(1)}, codec="int8", block_size="2"),
+        "missing or malformed",
+    ),
+    (
+        "nan scale",
+        _raw({"a": q, "a:scale": torch.tensor([1.0, math.nan])}, codec="int8", block_size="2"),
+        "non-finite",
+    ),
+    (
+        "inf scale",
+        _raw({"a": q, "a:scale": torch.tensor([math.inf])}, codec="int8", block_size="256"),
+        "non-finite",
+    ),
+    ("bad block size", _raw({"a": q, "a:scale": torch.ones(1)}, codec="int8", block_size="-1"), "block_size"),
     ("int8 in fp32 blob", _raw({"a": q}, codec="fp32", block_size="256"), "int8 tensors"),
 ]
 
@@ -186,14 +197,19 @@ def test_random_corruption_only_ever_raises_codec_error() -> None:
 from engine.codecs import MAX_HEADER, check_header_length, json_depth, json_loads_bounded  # noqa: E402
 
 
-@pytest.mark.parametrize(("text", "depth"), [
-    (b"", 0), (b"{}", 1), (b'[1, [2, {"a": [3]}]]', 4),
-    (b'{"a": "[[[[{{"}', 1),  # brackets inside strings do not count
-    (rb'{"a": "\"[[["}', 1),  # nor after an escaped quote
-    (rb'["\\", [[0]]]', 3),  # an escaped backslash does not escape the closing quote
-    (rb'["\\\"[[", [0]]', 2),
-    ("[[\u00e9]]", 2),
-])
+@pytest.mark.parametrize(
+    ("text", "depth"),
+    [
+        (b"", 0),
+        (b"{}", 1),
+        (b'[1, [2, {"a": [3]}]]', 4),
+        (b'{"a": "[[[[{{"}', 1),  # brackets inside strings do not count
+        (rb'{"a": "\"[[["}', 1),  # nor after an escaped quote
+        (rb'["\\", [[0]]]', 3),  # an escaped backslash does not escape the closing quote
+        (rb'["\\\"[[", [0]]', 2),
+        ("[[\u00e9]]", 2),
+    ],
+)
 def test_json_depth_counts_nesting_outside_strings(text: bytes | str, depth: int) -> None:
     assert json_depth(text) == depth
     with contextlib.suppress(ValueError):  # where the text is JSON, json.loads agrees
@@ -258,19 +274,31 @@ HOSTILE_ENTRIES = [
     ("unsupported dtype", _st(_entry("U64", [1], [0, 8]), bytes(8)), "unsupported dtype"),
     ("dtype not a string", _st(_entry(["F32"], [1], [0, 4]), bytes(4)), "unsupported dtype"),
     ("entry not an object", _st({"w": [1, 2]}, b""), "exactly dtype, shape and data_offsets"),
-    ("extra key", _st({"w": {"dtype": "F32", "shape": [], "data_offsets": [0, 4], "x": 1}}, bytes(4)),
-     "exactly dtype"),
-    ("unicode digit block size", _st({"__metadata__": {"codec": "int8", "block_size": "²"}}, b""),
-     "block_size"),
+    (
+        "extra key",
+        _st({"w": {"dtype": "F32", "shape": [], "data_offsets": [0, 4], "x": 1}}, bytes(4)),
+        "exactly dtype",
+    ),
+    (
+        "unicode digit block size",
+        _st({"__metadata__": {"codec": "int8", "block_size": "²"}}, b""),
+        "block_size",
+    ),
     ("5,000 digit block size", _st({"__metadata__": {"block_size": "9" * 5000}}, b""), "block_size"),
     ("metadata not strings", _st({"__metadata__": {"codec": []}}, b""), "metadata"),
-    ("too many tensors", _st({f"t{i}": {"dtype": "U8", "shape": [0], "data_offsets": [0, 0]}
-                              for i in range(10_001)}, b""), "10,001 tensors"),
+    (
+        "too many tensors",
+        _st({f"t{i}": {"dtype": "U8", "shape": [0], "data_offsets": [0, 0]} for i in range(10_001)}, b""),
+        "10,001 tensors",
+    ),
 ]
 
 
-@pytest.mark.parametrize(("data", "message"), [c[1:] for c in HOSTILE_HEADERS + HOSTILE_ENTRIES],
-                         ids=[c[0] for c in HOSTILE_HEADERS + HOSTILE_ENTRIES])
+@pytest.mark.parametrize(
+    ("data", "message"),
+    [c[1:] for c in HOSTILE_HEADERS + HOSTILE_ENTRIES],
+    ids=[c[0] for c in HOSTILE_HEADERS + HOSTILE_ENTRIES],
+)
 def test_hostile_headers_are_codec_errors(data: bytes, message: str) -> None:
     with pytest.raises(CodecError, match=message):
         decode(data)
@@ -297,12 +325,33 @@ def test_random_hostile_headers_only_ever_raise_codec_error() -> None:
     import random
 
     rng = random.Random(9)
-    junk: list[object] = [None, -1, 0, 2**31, 2**63, 2**64, 10**30, 1.5, "x", "", [], {}, [0], [-1, 2],
-                          [2**64, 0], True, "F32", "I8", [0, 2**40]]
+    junk: list[object] = [
+        None,
+        -1,
+        0,
+        2**31,
+        2**63,
+        2**64,
+        10**30,
+        1.5,
+        "x",
+        "",
+        [],
+        {},
+        [0],
+        [-1, 2],
+        [2**64, 0],
+        True,
+        "F32",
+        "I8",
+        [0, 2**40],
+    ]
     for _ in range(500):
-        entry = {"dtype": rng.choice(junk + ["F32", "U8"] * 3),
-                 "shape": rng.choice(junk + [[2], [1, 2]] * 3),
-                 "data_offsets": rng.choice(junk + [[0, 8]] * 3)}
+        entry = {
+            "dtype": rng.choice(junk + ["F32", "U8"] * 3),
+            "shape": rng.choice(junk + [[2], [1, 2]] * 3),
+            "data_offsets": rng.choice(junk + [[0, 8]] * 3),
+        }
         header: dict[str, object] = {"w": rng.choice([entry, entry, rng.choice(junk)])}
         if rng.random() < 0.3:
             header["__metadata__"] = rng.choice(junk + [{"codec": rng.choice(junk)}])

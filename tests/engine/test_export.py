@@ -91,8 +91,23 @@ def test_functional_zoo_matches_module() -> None:
     for name, p in module.named_parameters():
         torch.testing.assert_close(grads[name], p.grad, atol=1e-5, rtol=1e-4, msg=name)
     ops = {n["op"] for n in graph["nodes"]}
-    assert {"reshape", "permute", "split", "concat", "scale", "matmul", "sub", "mul", "softmax",
-            "log_softmax", "gelu", "sigmoid", "tanh", "layer_norm", "avg_pool2d"} <= ops
+    assert {
+        "reshape",
+        "permute",
+        "split",
+        "concat",
+        "scale",
+        "matmul",
+        "sub",
+        "mul",
+        "softmax",
+        "log_softmax",
+        "gelu",
+        "sigmoid",
+        "tanh",
+        "layer_norm",
+        "avg_pool2d",
+    } <= ops
 
 
 class _Functional(nn.Module):

@@ -19,8 +19,7 @@ from engine.presets import PRESETS
 from tests.engine.conftest import exported, preset_module
 
 
-def torch_flops(module: nn.Module, shape: tuple[int, ...], dtype: str, batch: int = 2
-                ) -> tuple[int, int]:
+def torch_flops(module: nn.Module, shape: tuple[int, ...], dtype: str, batch: int = 2) -> tuple[int, int]:
     """(forward, forward+backward) FLOPs of a batch as FlopCounterMode counts them."""
     module = module.to("meta").train()
     if dtype == "int64":

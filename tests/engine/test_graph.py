@@ -11,7 +11,8 @@ from typing import Any
 import pytest
 import torch
 
-from engine.graph import MAX_NODES, GraphError, graph_to_json, infer_shapes, load_graph
+from engine import graph, spec
+from engine.graph import MAX_NODES, OP_SPECS, REQUIRED, GraphError, graph_to_json, infer_shapes, load_graph
 from engine.runtime import GraphModule
 from tests.engine.conftest import exported, preset_batch
 
@@ -86,12 +87,12 @@ def _set(path: list[Any], value: Any) -> Mutation:
         for key in path[:-1]:
             target = target[key]
         target[path[-1]] = value
+
     return mutate
 
 
 def _many_nodes(g: dict[str, Any]) -> None:
-    g["nodes"] += [{"name": f"r{i}", "op": "relu", "inputs": ["fc2"], "attrs": {}}
-                   for i in range(MAX_NODES)]
+    g["nodes"] += [{"name": f"r{i}", "op": "relu", "inputs": ["fc2"], "attrs": {}} for i in range(MAX_NODES)]
 
 
 def _many_params(g: dict[str, Any]) -> None:
@@ -108,11 +109,17 @@ CASES: list[tuple[str, Mutation, str]] = [
     ("missing param", _set(["nodes", 2, "inputs", 1], "fc3.weight"), "'fc3.weight' is not defined"),
     ("null required input", _set(["nodes", 2, "inputs", 1], None), "may not be null"),
     ("wrong input count", _set(["nodes", 1, "inputs"], ["fc1", "fc1"]), "takes inputs"),
-    ("missing attr", _set(["nodes", 1], {"name": "relu1", "op": "softmax", "inputs": ["fc1"]}),
-     "missing required attr 'dim'"),
+    (
+        "missing attr",
+        _set(["nodes", 1], {"name": "relu1", "op": "softmax", "inputs": ["fc1"]}),
+        "missing required attr 'dim'",
+    ),
     ("unknown attr", _set(["nodes", 1, "attrs"], {"inplace": True}), "unknown attrs ['inplace']"),
-    ("bad attr type", _set(["nodes", 1], {"name": "relu1", "op": "softmax", "inputs": ["fc1"],
-                                          "attrs": {"dim": "last"}}), "attr 'dim'"),
+    (
+        "bad attr type",
+        _set(["nodes", 1], {"name": "relu1", "op": "softmax", "inputs": ["fc1"], "attrs": {"dim": "last"}}),
+        "attr 'dim'",
+    ),
     ("bad name", _set(["nodes", 1, "name"], "relu 1"), "invalid name"),
     ("long name", _set(["nodes", 1, "name"], "r" * 201), "invalid name"),
     ("shape mismatch", _set(["params", 2, "shape"], [10, 100]), "node 'fc2' (linear)"),
@@ -127,8 +134,13 @@ CASES: list[tuple[str, Mutation, str]] = [
     ("too many nodes", _many_nodes, "too many nodes"),
     ("too many params", _many_params, "too many params"),
     ("too many elements", _set(["params", 0, "shape"], [20_000, 10_001]), "parameter elements"),
-    ("reshape -1 twice", _set(["nodes", 1], {"name": "relu1", "op": "reshape", "inputs": ["fc1"],
-                                             "attrs": {"shape": [-1, -1]}}), "only once"),
+    (
+        "reshape -1 twice",
+        _set(
+            ["nodes", 1], {"name": "relu1", "op": "reshape", "inputs": ["fc1"], "attrs": {"shape": [-1, -1]}}
+        ),
+        "only once",
+    ),
 ]
 
 
@@ -165,8 +177,25 @@ def test_random_corruption_only_ever_raises_graph_error() -> None:
     """Uploaded graphs are hostile input: any corruption is a GraphError, never a crash."""
     import random
 
-    junk: list[Any] = [None, 0, -1, 1.5, "x", "", [], {}, [None], [-1], [2**70], True, {"a": 1},
-                       "fc1", [1, 2], 10**20, float("nan")]
+    junk: list[Any] = [
+        None,
+        0,
+        -1,
+        1.5,
+        "x",
+        "",
+        [],
+        {},
+        [None],
+        [-1],
+        [2**70],
+        True,
+        {"a": 1},
+        "fc1",
+        [1, 2],
+        10**20,
+        float("nan"),
+    ]
     rng = random.Random(0)
     base = [exported("mlp")[0], exported("cnn")[0]]
 
@@ -195,8 +224,15 @@ from engine.graph import (  # noqa: E402
 from tests.security.uploads import activation_bomb, graph_with, nested_json  # noqa: E402
 
 
-@pytest.mark.parametrize("data", [nested_json(100_000), nested_json(50_000, "{"),
-                                  graph_with(nested_json(990)), nested_json(100_000).decode()])
+@pytest.mark.parametrize(
+    "data",
+    [
+        nested_json(100_000),
+        nested_json(50_000, "{"),
+        graph_with(nested_json(990)),
+        nested_json(100_000).decode(),
+    ],
+)
 def test_deep_nesting_is_a_graph_error_not_a_recursion_error(data: bytes | str) -> None:
     with pytest.raises(GraphError, match="nested"):
         load_graph(data)
@@ -233,15 +269,38 @@ def test_evaluation_batches_are_bounded_by_activation_memory() -> None:
     assert resnet.batch_within(1, 1000) == 1
 
 
-@pytest.mark.parametrize("mutate", [
-    lambda g: g["loss"].update(op=[]),
-    lambda g: g["loss"].update(op={}),
-    lambda g: g["nodes"][0].update(inputs=[["x"], "fc1.weight", None]),
-    lambda g: g.update(output=["fc2"]),
-    lambda g: g["params"][0].update(shape=[10**400 and 2**31 - 1] * 6),
-])
+@pytest.mark.parametrize(
+    "mutate",
+    [
+        lambda g: g["loss"].update(op=[]),
+        lambda g: g["loss"].update(op={}),
+        lambda g: g["nodes"][0].update(inputs=[["x"], "fc1.weight", None]),
+        lambda g: g.update(output=["fc2"]),
+        lambda g: g["params"][0].update(shape=[10**400 and 2**31 - 1] * 6),
+    ],
+)
 def test_unforeseen_malformations_are_graph_errors(mutate: Callable[[dict[str, Any]], Any]) -> None:
     graph = copy.deepcopy(DOC_EXAMPLE)
     mutate(graph)
     with pytest.raises(GraphError):
         load_graph(graph)
+
+
+def test_the_op_table_is_the_spec_files() -> None:
+    assert list(OP_SPECS) == list(spec.GRAPH["ops"])
+    for op, raw in spec.GRAPH["ops"].items():
+        assert OP_SPECS[op].inputs == tuple(raw["inputs"])
+        attrs = {key: (a["kind"], a.get("default", REQUIRED)) for key, a in raw.get("attrs", {}).items()}
+        assert {key: (a.kind, a.default) for key, a in OP_SPECS[op].attrs.items()} == attrs
+
+
+def test_every_default_in_the_spec_file_is_a_valid_value_of_its_kind() -> None:
+    for op, op_spec in OP_SPECS.items():
+        for key, attr in op_spec.attrs.items():
+            if attr.default is not REQUIRED:
+                assert graph._norm_attr(attr, attr.default, f"{op}.{key}") == attr.default
+
+
+def test_an_attr_kind_the_loader_cannot_check_is_refused() -> None:
+    with pytest.raises(ValueError, match="unknown attr kind 'complex'"):
+        graph._attr({"kind": "complex"})

@@ -13,7 +13,7 @@ def test_engine_never_imports_django() -> None:
     code = (
         "import sys\n"
         "import engine, engine.graph, engine.ops, engine.runtime, engine.flops, engine.codecs\n"
-        "import engine.aggregate, engine.presets, engine.export\n"
+        "import engine.aggregate, engine.optim, engine.presets, engine.export\n"
         "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('django', 'rest_framework', "
         "'channels', 'crowdtrain', 'projects', 'workers'))\n"
         "assert not bad, bad\n"

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from engine.aggregate import sgd_step
 from engine.graph import load_graph
+from engine.optim import sgd_step
 from engine.presets import PRESETS, export_preset
 from engine.runtime import GraphModule, compute_gradients, evaluate
 from tests.engine.conftest import exported, preset_batch, preset_module

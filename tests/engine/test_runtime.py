@@ -104,8 +104,9 @@ def test_evaluate_sequence_accuracy_counts_positions() -> None:
     with torch.no_grad():
         out = ref(x)
     result = evaluate(graph, weights, {"x": x}, {"y": y}, batch_size=2)
-    assert result["loss"] == pytest.approx(float(F.cross_entropy(out.reshape(-1, 65), y.reshape(-1))),
-                                           abs=1e-5)
+    assert result["loss"] == pytest.approx(
+        float(F.cross_entropy(out.reshape(-1, 65), y.reshape(-1))), abs=1e-5
+    )
     assert result["accuracy"] == pytest.approx(float((out.argmax(-1) == y).float().mean()))
 
 
@@ -146,7 +147,7 @@ def test_local_steps_equal_a_torch_sgd_loop() -> None:
     optimizer = torch.optim.SGD(module.parameters(), lr=0.1, momentum=0.9)
     for start in range(0, 10, 4):
         optimizer.zero_grad()
-        torch.nn.functional.cross_entropy(module(x[start:start + 4]), y[start:start + 4]).backward()
+        torch.nn.functional.cross_entropy(module(x[start : start + 4]), y[start : start + 4]).backward()
         optimizer.step()
     for name, value in module.state_dict().items():
         torch.testing.assert_close(result.delta[name], weights[name] - value, rtol=1e-5, atol=1e-6)

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 from django.contrib.auth.models import User
 
 
 @pytest.fixture
-def cnn_project(researcher: User):  # type: ignore[no-untyped-def]
+def cnn_project(researcher: User) -> Any:
     """A running CNN preset project: its graph has dropout, so updates are only checked statistically."""
     from projects.datasets import dataset_create_from_npz
     from projects.services import project_create, project_start

@@ -20,7 +20,7 @@ from engine import codecs
 from engine.export import export_module
 from projects.datasets import dataset_create_from_npz
 from projects.models import Blob, Dataset, ModelVersion, Project
-from projects.services import version_weights
+from projects.services import ProjectError, project_create_from_graph, version_weights
 from tests.integration.test_admin import ADD_URL, npz_upload, project_form
 
 Tensors = dict[str, torch.Tensor]
@@ -110,31 +110,55 @@ Case = Callable[[dict[str, Any], Tensors], tuple[Any, Any]]
 BAD_CASES: dict[str, tuple[Case, str, str]] = {
     "graph is not JSON": (lambda g, w: (b"{nope", w), "graph_file", "graph is not valid JSON"),
     "graph fails validation": (
-        lambda g, w: ({**g, "output": "nowhere"}, w), "graph_file", "output 'nowhere' is not a node"),
+        lambda g, w: ({**g, "output": "nowhere"}, w),
+        "graph_file",
+        "output 'nowhere' is not a node",
+    ),
     "graph over 2 MB": (
-        lambda g, w: (json.dumps(g).encode() + b" " * 2**21, w), "graph_file", "the limit is 2,097,152"),
+        lambda g, w: (json.dumps(g).encode() + b" " * 2**21, w),
+        "graph_file",
+        "the limit is 2,097,152",
+    ),
     "a tensor is missing": (
-        lambda g, w: (g, {k: v for k, v in w.items() if k != "bn.running_var"}), "weights_file",
-        "The weights have no tensor 'bn.running_var'"),
+        lambda g, w: (g, {k: v for k, v in w.items() if k != "bn.running_var"}),
+        "weights_file",
+        "The weights have no tensor 'bn.running_var'",
+    ),
     "a tensor has the wrong shape": (
-        lambda g, w: (g, {**w, "fc2.bias": torch.zeros(11)}), "weights_file",
-        "Tensor 'fc2.bias' has shape [11]; the graph says [10]"),
+        lambda g, w: (g, {**w, "fc2.bias": torch.zeros(11)}),
+        "weights_file",
+        "Tensor 'fc2.bias' has shape [11]; the graph says [10]",
+    ),
     "an extra tensor": (
-        lambda g, w: (g, {**w, "zzz": torch.zeros(1)}), "weights_file",
-        "Tensor 'zzz' is not a param or buffer of the graph"),
+        lambda g, w: (g, {**w, "zzz": torch.zeros(1)}),
+        "weights_file",
+        "Tensor 'zzz' is not a param or buffer of the graph",
+    ),
     "a NaN weight": (
-        lambda g, w: (g, {**w, "fc1.bias": torch.full((16,), float("nan"))}), "weights_file",
-        "Tensor 'fc1.bias' must hold finite float values"),
+        lambda g, w: (g, {**w, "fc1.bias": torch.full((16,), float("nan"))}),
+        "weights_file",
+        "Tensor 'fc1.bias' must hold finite float values",
+    ),
     "weights that are a pickle": (
-        lambda g, w: (g, pickle.dumps(w)), "weights_file", "Not a usable safetensors file"),
+        lambda g, w: (g, pickle.dumps(w)),
+        "weights_file",
+        "Not a usable safetensors file",
+    ),
     "weights that are a torch.save file": (
-        lambda g, w: (g, _torch_save(w)), "weights_file", "Not a usable safetensors file"),
+        lambda g, w: (g, _torch_save(w)),
+        "weights_file",
+        "Not a usable safetensors file",
+    ),
     "graph for another input shape": (
         lambda g, w: export_module(nn.Sequential(nn.Flatten(), nn.Linear(100, 10)), (1, 10, 10)),
-        "graph_file", "The graph expects samples of shape [1, 10, 10]; the dataset has [784]"),
+        "graph_file",
+        "The graph expects samples of shape [1, 10, 10]; the dataset has [784]",
+    ),
     "graph with too few classes": (
-        lambda g, w: export_module(nn.Linear(784, 5), (784,)), "graph_file",
-        "The graph predicts 5 classes; the dataset has 10"),
+        lambda g, w: export_module(nn.Linear(784, 5), (784,)),
+        "graph_file",
+        "The graph predicts 5 classes; the dataset has 10",
+    ),
 }
 
 
@@ -163,6 +187,45 @@ def test_bad_uploads_show_the_error_and_save_nothing(
     assert not Project.objects.exists() and Blob.objects.count() == blobs
 
 
+# .npz datasets hold one class label per sample: only a cross_entropy loss on one label per sample fits.
+FITS: dict[str, tuple[Callable[[], tuple[dict[str, Any], Tensors]], str | None]] = {
+    "a classifier of its samples": (lambda: export_module(Net(), (784,)), None),
+    "an mse loss": (lambda: export_module(Net(), (784,), loss="mse"), "needs a cross_entropy loss"),
+    "another input shape": (
+        lambda: export_module(nn.Sequential(nn.Flatten(), nn.Linear(100, 10)), (1, 10, 10)),
+        "expects samples of shape [1, 10, 10]",
+    ),
+    "too few classes": (lambda: export_module(nn.Linear(784, 5), (784,)), "predicts 5 classes"),
+}
+
+
+@pytest.mark.parametrize("case", list(FITS))
+def test_the_form_and_the_service_judge_whether_a_graph_fits_a_dataset_alike(
+    client: Client, superuser: User, dataset: Dataset, case: str
+) -> None:
+    make, expected = FITS[case]
+    graph, weights = make()
+    client.force_login(superuser)
+    response = client.post(ADD_URL, upload_form(dataset, graph, weights))
+    form = None if response.status_code == 302 else response.context["adminform"].form
+    form_error = list(form.errors["graph_file"]) if form else None
+    service_error = _service_error(owner=superuser, dataset=dataset, graph=graph, weights=weights)
+
+    assert form_error == ([service_error] if service_error else None)
+    if expected is None:
+        assert service_error is None
+    else:
+        assert expected in str(service_error)
+
+
+def _service_error(*, owner: User, dataset: Dataset, graph: dict[str, Any], weights: Tensors) -> str | None:
+    try:
+        project_create_from_graph(owner=owner, name="S", dataset=dataset, graph_dict=graph, weights=weights)
+    except ProjectError as exc:
+        return str(exc)
+    return None
+
+
 def test_weights_over_the_result_limit_are_refused_before_reading(
     client: Client, superuser: User, dataset: Dataset, exported: tuple[dict[str, Any], Tensors]
 ) -> None:
@@ -189,8 +252,14 @@ def test_upload_with_a_new_npz_dataset_saves_nothing_when_the_model_is_bad(
 ) -> None:
     graph, weights = exported
     client.force_login(superuser)
-    form = project_form(model_source="upload", preset="", dataset_file=npz_upload(), dataset_name="new",
-                        graph_file=graph_upload(graph), weights_file=weights_upload(pickle.dumps(weights)))
+    form = project_form(
+        model_source="upload",
+        preset="",
+        dataset_file=npz_upload(),
+        dataset_name="new",
+        graph_file=graph_upload(graph),
+        weights_file=weights_upload(pickle.dumps(weights)),
+    )
     response = client.post(ADD_URL, form)
 
     assert response.status_code == 200 and "weights_file" in response.context["adminform"].form.errors

@@ -33,7 +33,11 @@ def public_put(data: bytes, content_type: str = "application/octet-stream") -> B
         owner=owner, name="d", input_shape=[1], num_classes=2, train_samples=1, test_samples=1
     )
     Project.objects.create(
-        owner=owner, name=blob.sha256, dataset=dataset, graph=blob, flops_per_sample=1,
+        owner=owner,
+        name=blob.sha256,
+        dataset=dataset,
+        graph=blob,
+        flops_per_sample=1,
         status=Project.Status.RUNNING,
     )
     return blob

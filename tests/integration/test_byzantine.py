@@ -24,8 +24,8 @@ from typing import Any
 import psycopg
 import pytest
 
+from devstack.stack import Stack
 from tests.conftest import run_async
-from tests.e2e.stack import Stack
 from workers.simulator import Simulator, SimulatorConfig, SimulatorStats
 
 # Two stacks, each given up to train()'s liveness bound.
@@ -43,8 +43,15 @@ ATTACKERS = {"sim-byz-flip": "sign_flip", "sim-byz-scaled": "scaled"}
 # the twin's version 0 is minutes old when it starts, and a timed-out round would close with one result.
 # Trust after one valid result keeps server recomputation (the bottleneck on 2 cores) mostly for the
 # attackers, who never return a valid result and so are never trusted: all their updates are recomputed.
-SETTINGS = {"batch_size": 32, "round_samples": 320, "round_timeout": 3600, "trust_threshold": 1,
-            "max_versions": VERSIONS}
+SETTINGS = {
+    "batch_size": 32,
+    "round_samples": 320,
+    "round_timeout": 3600,
+    "trust_threshold": 1,
+    "max_versions": VERSIONS,
+}
+
+
 @dataclass(frozen=True)
 class Run:
     accuracy: float  # test accuracy of version VERSIONS, as the platform's evaluator measured it
@@ -55,13 +62,9 @@ class Run:
 
 @contextmanager
 def platform(var_dir: Path) -> Iterator[Stack]:
-    running = Stack(var_dir=var_dir, database=DATABASE, redis_db=REDIS_DB)
-    try:
-        running.start()
+    with Stack(var_dir=var_dir, database=DATABASE, redis_db=REDIS_DB) as running:
         configure(running)
         yield running
-    finally:
-        running.stop()
 
 
 def query(stack: Stack, sql: str, *params: Any) -> list[tuple[Any, ...]]:
@@ -78,15 +81,26 @@ def configure(stack: Stack) -> None:
     # The project finishes itself at VERSIONS, so both runs train exactly as far.
     assignments = ", ".join(f"{key} = %s" for key in SETTINGS)
     with psycopg.connect(stack.database_url) as conn:
-        conn.execute(f"UPDATE projects_project SET {assignments} WHERE name = %s",
-                     (*SETTINGS.values(), PROJECT))
+        conn.execute(
+            f"UPDATE projects_project SET {assignments} WHERE name = %s", (*SETTINGS.values(), PROJECT)
+        )
 
 
 def volunteers(stack: Stack, prefix: str, attackers: dict[str, str]) -> list[SimulatorConfig]:
     names = list(attackers) + [f"{prefix}-{i:02d}" for i in range(VOLUNTEERS - len(attackers))]
-    return [SimulatorConfig(url=stack.url, username=name, password="sim-pass-4321", signup=True, gflops=0,
-                            byzantine=attackers.get(name, "none"), verdict_timeout_s=5, seed=i)
-            for i, name in enumerate(names)]
+    return [
+        SimulatorConfig(
+            url=stack.url,
+            username=name,
+            password="sim-pass-4321",
+            signup=True,
+            gflops=0,
+            byzantine=attackers.get(name, "none"),
+            verdict_timeout_s=5,
+            seed=i,
+        )
+        for i, name in enumerate(names)
+    ]
 
 
 async def until_finished(stack: Stack, project: str, simulators: list[Simulator], timeout: float) -> None:
@@ -94,14 +108,16 @@ async def until_finished(stack: Stack, project: str, simulators: list[Simulator]
     status = ""
     while status != "finished" and time.monotonic() < deadline:
         await asyncio.sleep(0.5)
-        status = await asyncio.to_thread(scalar, stack, "SELECT status FROM projects_project WHERE name = %s",
-                                         project)
+        status = await asyncio.to_thread(
+            scalar, stack, "SELECT status FROM projects_project WHERE name = %s", project
+        )
     for simulator in simulators:
         simulator.stop()
 
 
-async def simulate(stack: Stack, project: str, configs: list[SimulatorConfig], timeout: float
-                   ) -> list[SimulatorStats]:
+async def simulate(
+    stack: Stack, project: str, configs: list[SimulatorConfig], timeout: float
+) -> list[SimulatorStats]:
     simulators = [Simulator(config) for config in configs]
     watcher = asyncio.create_task(until_finished(stack, project, simulators, timeout))
     stats = await asyncio.gather(*(s.run() for s in simulators))
@@ -113,11 +129,15 @@ def final_accuracy(stack: Stack, project: str, timeout: float = 60) -> float:
     """The evaluator's test accuracy of the last version (queued by Celery when it was published)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        value = scalar(stack, "SELECT m.value FROM projects_metric m "
-                              "JOIN projects_modelversion v ON v.id = m.version_id "
-                              "JOIN projects_project p ON p.id = v.project_id "
-                              "WHERE p.name = %s AND v.number = %s AND m.name = 'test_accuracy'",
-                       project, VERSIONS)
+        value = scalar(
+            stack,
+            "SELECT m.value FROM projects_metric m "
+            "JOIN projects_modelversion v ON v.id = m.version_id "
+            "JOIN projects_project p ON p.id = v.project_id "
+            "WHERE p.name = %s AND v.number = %s AND m.name = 'test_accuracy'",
+            project,
+            VERSIONS,
+        )
         if value is not None:
             return float(value)
         time.sleep(0.5)
@@ -125,29 +145,47 @@ def final_accuracy(stack: Stack, project: str, timeout: float = 60) -> float:
 
 
 def ledger(stack: Stack, project: str, usernames: list[str]) -> dict[str, int]:
-    rows = query(stack, "SELECT u.username, sum(c.flops) FROM workers_creditentry c "
-                        "JOIN workers_volunteer v ON v.id = c.volunteer_id "
-                        "JOIN auth_user u ON u.id = v.user_id JOIN projects_project p ON p.id = c.project_id "
-                        "WHERE p.name = %s GROUP BY u.username", project)
+    rows = query(
+        stack,
+        "SELECT u.username, sum(c.flops) FROM workers_creditentry c "
+        "JOIN workers_volunteer v ON v.id = c.volunteer_id "
+        "JOIN auth_user u ON u.id = v.user_id JOIN projects_project p ON p.id = c.project_id "
+        "WHERE p.name = %s GROUP BY u.username",
+        project,
+    )
     return {name: 0 for name in usernames} | {name: int(flops) for name, flops in rows}
 
 
 def valid_flops(stack: Stack, project: str) -> int:
-    return int(scalar(stack, "SELECT coalesce(sum(p.flops_per_sample * r.samples), 0) FROM projects_result r "
-                             "JOIN projects_workunit w ON w.id = r.work_unit_id "
-                             "JOIN projects_project p ON p.id = w.project_id "
-                             "WHERE p.name = %s AND r.validation = 'valid'", project))
+    return int(
+        scalar(
+            stack,
+            "SELECT coalesce(sum(p.flops_per_sample * r.samples), 0) FROM projects_result r "
+            "JOIN projects_workunit w ON w.id = r.work_unit_id "
+            "JOIN projects_project p ON p.id = w.project_id "
+            "WHERE p.name = %s AND r.validation = 'valid'",
+            project,
+        )
+    )
 
 
 # A liveness bound (the project must finish), not a speed target: generous for a loaded machine.
 def train(stack: Stack, project: str, configs: list[SimulatorConfig], timeout: float = 400) -> Run:
     stats = run_async(simulate(stack, project, configs, timeout))
-    versions = scalar(stack, "SELECT max(v.number) FROM projects_modelversion v "
-                             "JOIN projects_project p ON p.id = v.project_id WHERE p.name = %s", project)
+    versions = scalar(
+        stack,
+        "SELECT max(v.number) FROM projects_modelversion v "
+        "JOIN projects_project p ON p.id = v.project_id WHERE p.name = %s",
+        project,
+    )
     assert versions == VERSIONS, f"{project} reached version {versions} only"
     names = [s.username for s in stats]
-    return Run(final_accuracy(stack, project), {s.username: s for s in stats},
-               ledger(stack, project, names), valid_flops(stack, project))
+    return Run(
+        final_accuracy(stack, project),
+        {s.username: s for s in stats},
+        ledger(stack, project, names),
+        valid_flops(stack, project),
+    )
 
 
 def test_byzantine_volunteers_are_caught_unpaid_and_do_not_hurt_accuracy(
@@ -158,8 +196,10 @@ def test_byzantine_volunteers_are_caught_unpaid_and_do_not_hurt_accuracy(
         clean = train(stack, PROJECT, volunteers(stack, "sim-clean", {}))
     with platform(tmp_path_factory.mktemp("attacked")) as stack:
         attacked = train(stack, PROJECT, volunteers(stack, "sim-honest", ATTACKERS))
-    print(f"accuracy clean {clean.accuracy:.3f}, attacked {attacked.accuracy:.3f}; "
-          f"{time.monotonic() - started:.0f} s; ledger {attacked.ledger}")
+    print(
+        f"accuracy clean {clean.accuracy:.3f}, attacked {attacked.accuracy:.3f}; "
+        f"{time.monotonic() - started:.0f} s; ledger {attacked.ledger}"
+    )
 
     # It learned (chance is 0.1), so comparing the two runs means something.
     assert clean.accuracy > 0.3, clean.accuracy

@@ -14,11 +14,13 @@ from django.contrib.auth.models import User
 from django.test import Client
 
 from crowdtrain.asgi import application
+from projects.lifecycle import results_release
 from projects.models import Project, WorkUnit
+from projects.tasks import feed_work_units
 from tests.integration.volunteer import honest_update
 
 pytestmark = pytest.mark.django_db(transaction=True)
-HELLO = {"type": "hello", "protocol": 1, "device": {"backend": "webgl", "gflops": 12.5}}
+HELLO: dict[str, Any] = {"type": "hello", "protocol": 1, "device": {"backend": "webgl", "gflops": 12.5}}
 
 
 def session_headers(user: User) -> list[tuple[bytes, bytes]]:
@@ -137,6 +139,29 @@ def test_disconnect_releases_work_and_waiting_volunteers_get_work_pushed(
     async_to_sync(scenario)()
 
 
+def test_a_waiting_volunteer_that_missed_the_news_gets_work_at_the_next_feeder_beat(
+    mlp_project: Project, volunteer_user: User, other_volunteer: User
+) -> None:
+    """`idle` promises an assign. When the one `work.available` for it is lost (it expired in the channel
+    layer behind a busy connection), the feeder's beat announces the unsent work again."""
+
+    async def scenario() -> None:
+        first = await greet(volunteer_user)
+        held = [(await send(first, {"type": "ready"}))["work_unit"]["id"] for _ in range(2)]
+        second = await greet(other_volunteer)
+        assert (await send(second, {"type": "ready"}))["type"] == "idle"
+        # Reopened with no announcement: as if the consumer's broadcast never reached `second`.
+        await database_sync_to_async(results_release)(user=volunteer_user, work_unit_ids=held)
+        assert await second.receive_nothing(timeout=0.5)
+        await database_sync_to_async(feed_work_units)()  # the beat, run in place
+        pushed = json.loads(await second.receive_from(timeout=10))
+        assert pushed["type"] == "assign" and pushed["work_unit"]["id"] in held
+        await first.disconnect()
+        await second.disconnect()
+
+    async_to_sync(scenario)()
+
+
 def test_cancel_reaches_the_volunteer_holding_stale_work(mlp_project: Project, volunteer_user: User) -> None:
     async def scenario() -> None:
         communicator = await greet(volunteer_user)
@@ -173,8 +198,14 @@ def test_a_replica_is_pushed_to_a_waiting_volunteer_and_both_hear_the_verdict_on
         work_unit = await database_sync_to_async(
             WorkUnit.objects.select_related("project", "version", "shard__blob").get
         )(pk=unit["id"])
-        meta = {"type": "result", "work_unit": unit["id"], "model_version": unit["model_version"],
-                "samples": 50, "loss": 2.3, "timings": {"download_ms": 1, "compute_ms": 2}}
+        meta = {
+            "type": "result",
+            "work_unit": unit["id"],
+            "model_version": unit["model_version"],
+            "samples": 50,
+            "loss": 2.3,
+            "timings": {"download_ms": 1, "compute_ms": 2},
+        }
         await communicator.send_to(text_data=json.dumps(meta))
         await communicator.send_to(bytes_data=await database_sync_to_async(honest_update)(work_unit))
         return json.loads(await communicator.receive_from(timeout=10))

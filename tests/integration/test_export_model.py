@@ -98,8 +98,18 @@ def test_creates_and_starts_a_project(
     models_module: str, digits_dataset: Dataset, researcher: User, django_capture_on_commit_callbacks: Any
 ) -> None:
     with django_capture_on_commit_callbacks(execute=True):  # the test's transaction never commits
-        message = export(f"{models_module}:Net", "--input-shape", "784", "--project-name", "From CLI",
-                         "--dataset-id", str(digits_dataset.pk), "--owner", researcher.username, "--start")
+        message = export(
+            f"{models_module}:Net",
+            "--input-shape",
+            "784",
+            "--project-name",
+            "From CLI",
+            "--dataset-id",
+            str(digits_dataset.pk),
+            "--owner",
+            researcher.username,
+            "--start",
+        )
 
     project = Project.objects.get(name="From CLI")
     assert "From CLI" in message and project.status == Project.Status.RUNNING
@@ -110,13 +120,16 @@ def test_creates_and_starts_a_project(
     assert project.work_units.exists()  # started: the feeder ran (Celery is eager in tests)
 
 
-@pytest.mark.parametrize("spec, expected", [
-    ("no_colon_here", "Expected module:Class"),
-    ("surely_not_a_module_xyz:Net", "Cannot import module 'surely_not_a_module_xyz'"),
-    ("{models}:Missing", "'Missing' in module"),
-    ("{models}:torch", "is not a torch.nn.Module subclass"),
-    ("{models}:NeedsArgs", "NeedsArgs() failed (it must work without arguments)"),
-])
+@pytest.mark.parametrize(
+    "spec, expected",
+    [
+        ("no_colon_here", "Expected module:Class"),
+        ("surely_not_a_module_xyz:Net", "Cannot import module 'surely_not_a_module_xyz'"),
+        ("{models}:Missing", "'Missing' in module"),
+        ("{models}:torch", "is not a torch.nn.Module subclass"),
+        ("{models}:NeedsArgs", "NeedsArgs() failed (it must work without arguments)"),
+    ],
+)
 def test_bad_module_class_specs(models_module: str, tmp_path: Path, spec: str, expected: str) -> None:
     with pytest.raises(CommandError, match=expected.replace("(", r"\(").replace(")", r"\)")):
         export(spec.format(models=models_module), "--input-shape", "784", "--output", str(tmp_path / "o"))
@@ -133,18 +146,30 @@ def test_unsupported_op_names_the_op_and_the_module_path(models_module: str, tmp
 def test_shape_mismatch_with_the_dataset_creates_nothing(
     models_module: str, digits_dataset: Dataset, researcher: User
 ) -> None:
-    expected = r"expects samples of shape \[1, 28, 28\], the dataset has \[784\]"
+    expected = r"expects samples of shape \[1, 28, 28\]; the dataset has \[784\]"
     with pytest.raises(CommandError, match=expected):
-        export(f"{models_module}:Conv", "--input-shape", "1,28,28", "--project-name", "Mismatch",
-               "--dataset-id", str(digits_dataset.pk), "--owner", researcher.username)
+        export(
+            f"{models_module}:Conv",
+            "--input-shape",
+            "1,28,28",
+            "--project-name",
+            "Mismatch",
+            "--dataset-id",
+            str(digits_dataset.pk),
+            "--owner",
+            researcher.username,
+        )
     assert not Project.objects.filter(name="Mismatch").exists()
 
 
-@pytest.mark.parametrize("args, expected", [
-    (["--dataset-id", "1"], "--project-name needs --dataset-id and --owner"),
-    (["--dataset-id", "999999", "--owner", "researcher"], "There is no dataset with id 999999"),
-    (["--dataset-id", "{dataset}", "--owner", "nobody"], "There is no user 'nobody'"),
-])
+@pytest.mark.parametrize(
+    "args, expected",
+    [
+        (["--dataset-id", "1"], "--project-name needs --dataset-id and --owner"),
+        (["--dataset-id", "999999", "--owner", "researcher"], "There is no dataset with id 999999"),
+        (["--dataset-id", "{dataset}", "--owner", "nobody"], "There is no user 'nobody'"),
+    ],
+)
 def test_project_arguments_are_checked(
     models_module: str, digits_dataset: Dataset, researcher: User, args: list[str], expected: str
 ) -> None:

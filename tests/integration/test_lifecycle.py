@@ -7,6 +7,7 @@ from datetime import timedelta
 import pytest
 from django.contrib.auth.models import User
 from django.utils import timezone
+from pytest_django.fixtures import Settings
 
 from projects import lifecycle
 from projects.lifecycle import ResultError
@@ -61,8 +62,8 @@ def test_results_only_from_the_assigned_volunteer(
 
 
 def test_oversize_updates_are_refused_before_anything_is_stored(
-    mlp_project: Project, volunteer_user: User, settings
-) -> None:  # type: ignore[no-untyped-def]
+    mlp_project: Project, volunteer_user: User, settings: Settings
+) -> None:
     settings.CROWDTRAIN = {**settings.CROWDTRAIN, "MAX_RESULT_BYTES": 1000}
     result = assign(volunteer_user)
     with pytest.raises(ResultError) as refused:

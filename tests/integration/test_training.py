@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 import time
 from datetime import timedelta
+from typing import Any
 from unittest import mock
 
 import pytest
@@ -13,8 +14,8 @@ from django.contrib.auth.models import User
 from django.db import connection, transaction
 from django.utils import timezone
 
-from projects import tasks, training
-from projects.models import ModelVersion, Project, Result, WorkUnit
+from projects import lifecycle, tasks, training
+from projects.models import Dataset, ModelVersion, Project, Result, WorkUnit
 from projects.services import version_evaluate, version_weights, version_wire_weights
 from projects.validation import recompute
 from tests.integration.volunteer import assign, receive, tampered
@@ -130,12 +131,63 @@ def wait_for_a_lock_wait(timeout: float = 30) -> None:
     with connection.cursor() as cursor:
         while True:
             cursor.execute("SELECT pg_stat_clear_snapshot()")  # a transaction sees one snapshot otherwise
-            cursor.execute("SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() "
-                           "AND wait_event_type = 'Lock'")
+            cursor.execute(
+                "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() "
+                "AND wait_event_type = 'Lock'"
+            )
             if cursor.fetchone()[0]:
                 return
             assert time.monotonic() < deadline, "the step never waited for the work unit"
             time.sleep(0.02)
+
+
+def test_a_result_arriving_while_the_step_decides_is_waited_for(
+    mlp_project: Project, volunteer_user: User, other_volunteer: User
+) -> None:
+    """result_receive holds the arriving result's row while it stores it. A step deciding meanwhile that the
+    round was complete closed it under that result, which then arrived on time and was judged `late` (seen in
+    a loaded CI run of test_simulator). The step now locks the round's outstanding instances first: it waits
+    for the arrival, then for its verdict, and the round closes with both results."""
+    assert receive(volunteer_user, assign(volunteer_user)).status == "valid"
+    arriving = assign(other_volunteer)
+    Project.objects.filter(pk=mlp_project.pk).update(round_samples=50)  # the target is already met
+    stored, errors, steps = threading.Event(), [], []
+    record_arrival = lifecycle._record_arrival
+
+    def store_slowly(**fields: Any) -> None:
+        record_arrival(**fields)
+        stored.set()
+        wait_for_a_lock_wait()  # the step is now blocked on this result's row
+
+    def arrival() -> None:
+        try:
+            with mock.patch.object(lifecycle, "_record_arrival", store_slowly):
+                assert receive(other_volunteer, arriving).status == "pending"
+        except Exception as exc:
+            errors.append(exc)
+        finally:
+            stored.set()
+            connection.close()
+
+    def step() -> None:
+        try:
+            stored.wait(30)
+            steps.append(training.project_step(project_id=mlp_project.pk))
+        except Exception as exc:
+            errors.append(exc)
+        finally:
+            connection.close()
+
+    with mock.patch("projects.notify.result_received"):  # its validation message waits in the broker
+        threads = [threading.Thread(target=arrival), threading.Thread(target=step)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(60)
+    assert errors == [] and steps == [None]  # not closed under the arriving result
+    assert tasks.validate_result(arriving.pk) == "valid"  # the queued message is delivered
+    version = mlp_project.current_version()
+    assert (version.number, version.samples) == (1, 100)
 
 
 def test_the_step_and_a_validation_crediting_the_same_project_do_not_deadlock(
@@ -238,7 +290,7 @@ def test_evaluation_is_stored_once_per_version(mlp_project: Project) -> None:
     assert version_evaluate(version_id=version.pk) == metrics and version.metrics.count() == 2
 
 
-def test_project_create_checks_the_model_fits_the_dataset(researcher: User, digits_dataset) -> None:  # type: ignore[no-untyped-def]
+def test_project_create_checks_the_model_fits_the_dataset(researcher: User, digits_dataset: Dataset) -> None:
     from projects.services import ProjectError, project_create
 
     digits_dataset.input_shape = [3, 32, 32]
@@ -261,7 +313,7 @@ def test_compressed_weights_go_down_and_the_master_copy_stays_fp32(
 
     wire = version_wire_weights(version=version)
     master = version_weights(version=version)
-    assert version.wire_weights is not None and version.download == version.wire_weights
+    assert version.wire_weights is not None and version.wire_blob == version.wire_weights
     assert version.wire_weights.size < version.weights.size / (1.9 if codec == "fp16" else 3.5)
     for name, value in master.items():
         assert value.dtype == wire[name].dtype == torch.float32
@@ -273,4 +325,4 @@ def test_compressed_weights_go_down_and_the_master_copy_stays_fp32(
 
 def test_fp32_projects_send_the_master_weights(mlp_project: Project) -> None:
     version = mlp_project.current_version()
-    assert version.wire_weights is None and version.download == version.weights
+    assert version.wire_weights is None and version.wire_blob == version.weights

@@ -41,8 +41,10 @@ CRASH = 1011  # daphne's close code when the consumer raised
 THROTTLED = 4429  # too many connects this minute
 # The fuzz reconnects all the time: with the platform's connect throttle (tests/security/test_throttling.py)
 # it would mostly meet the throttle instead of the consumer, so a fuzzed stack runs with these.
-UNTHROTTLED = {"CROWDTRAIN_WS_CONNECTS_PER_MINUTE_USER": "100000",
-               "CROWDTRAIN_WS_CONNECTS_PER_MINUTE_IP": "100000"}
+UNTHROTTLED = {
+    "CROWDTRAIN_WS_CONNECTS_PER_MINUTE_USER": "100000",
+    "CROWDTRAIN_WS_CONNECTS_PER_MINUTE_IP": "100000",
+}
 STALL_SECONDS = 20.0  # a server that has not closed this long after `bye` has stopped answering
 HISTORY = 24  # frames kept per connection: the client runs ahead of the server until it sees the close
 TRIAGE_SECONDS = 60.0  # replaying failures' frames one by one, at most this long
@@ -71,18 +73,61 @@ def dumps(value: Any) -> str:
 
 
 NUMBERS: list[Any] = [
-    -1, 0, 0.5, -0.0, 2**31 - 1, 2**31, 2**53 + 1, 2**63 - 1, 2**63, 2**64, -(2**63) - 1, 10**30,
-    Raw("1e400"), Raw("-1e400"), Raw("Infinity"), Raw("-Infinity"), Raw("NaN"), Raw("1e-400"),
+    -1,
+    0,
+    0.5,
+    -0.0,
+    2**31 - 1,
+    2**31,
+    2**53 + 1,
+    2**63 - 1,
+    2**63,
+    2**64,
+    -(2**63) - 1,
+    10**30,
+    Raw("1e400"),
+    Raw("-1e400"),
+    Raw("Infinity"),
+    Raw("-Infinity"),
+    Raw("NaN"),
+    Raw("1e-400"),
     Raw("1" * 5000),  # past Python's int-parsing digit limit: ValueError, not JSONDecodeError
 ]
 STRINGS: list[Any] = [
-    "", "\x00", "gpu\x00", "\ud800", "\udfff\ud800", "é漢字🙂", "\u202egnp.exe", "x" * 5000,
-    "' OR 1=1 --", "../../etc/passwd", "<script>alert(1)</script>", "%s%n%x", "__proto__", "hello",
+    "",
+    "\x00",
+    "gpu\x00",
+    "\ud800",
+    "\udfff\ud800",
+    "é漢字🙂",
+    "\u202egnp.exe",
+    "x" * 5000,
+    "' OR 1=1 --",
+    "../../etc/passwd",
+    "<script>alert(1)</script>",
+    "%s%n%x",
+    "__proto__",
+    "hello",
 ]
 OTHERS: list[Any] = [None, True, False, {}, [], [[]], {"": None}, {"type": "hello"}, [1, 2, 3]]
 HOSTILE = NUMBERS + STRINGS + OTHERS
-UNKNOWN_TYPES = ["tensors", "json", "__init__", "__class__", "send_json", "disconnect", "close", "credit",
-                 "assign", "welcome", "HELLO", "hello ", "", "result\x00", "ready2"]
+UNKNOWN_TYPES = [
+    "tensors",
+    "json",
+    "__init__",
+    "__class__",
+    "send_json",
+    "disconnect",
+    "close",
+    "credit",
+    "assign",
+    "welcome",
+    "HELLO",
+    "hello ",
+    "",
+    "result\x00",
+    "ready2",
+]
 
 
 # --- frames ---------------------------------------------------------------------------------------
@@ -125,21 +170,35 @@ class Knowledge:
 
 
 def hello(device: dict[str, Any] | None = None) -> dict[str, Any]:
-    return {"type": "hello", "protocol": 1,
-            "device": device or {"backend": "webgl", "gflops": 10, "memory_mb": 2048, "user_agent": "fuzz"},
-            "preferences": {"max_work_units": 2}}
+    return {
+        "type": "hello",
+        "protocol": 1,
+        "device": device or {"backend": "webgl", "gflops": 10, "memory_mb": 2048, "user_agent": "fuzz"},
+        "preferences": {"max_work_units": 2},
+    }
 
 
 def result(work_unit: Any, model_version: Any = 0, samples: Any = 16, **overrides: Any) -> dict[str, Any]:
-    message = {"type": "result", "work_unit": work_unit, "model_version": model_version, "samples": samples,
-               "loss": 0.5, "timings": {"download_ms": 5, "compute_ms": 50}}
+    message = {
+        "type": "result",
+        "work_unit": work_unit,
+        "model_version": model_version,
+        "samples": samples,
+        "loss": 0.5,
+        "timings": {"download_ms": 5, "compute_ms": 50},
+    }
     message.update(overrides)
     return message
 
 
 def templates(unit: int) -> list[dict[str, Any]]:
-    return [hello(), {"type": "ready"}, {"type": "progress", "work_unit": unit, "fraction": 0.5},
-            result(unit), {"type": "bye"}]
+    return [
+        hello(),
+        {"type": "ready"},
+        {"type": "progress", "work_unit": unit, "fraction": 0.5},
+        result(unit),
+        {"type": "bye"},
+    ]
 
 
 def leaf_paths(value: Any, prefix: tuple[str, ...] = ()) -> list[tuple[str, ...]]:
@@ -166,10 +225,23 @@ class Frames:
         self.rng, self.known = rng, knowledge
         # Percentages, roughly; the big frames are rare so that 10,000 frames stay a few hundred MB.
         self.kinds: list[tuple[str, float]] = [
-            ("random_json", 10), ("wrong_field", 30), ("unknown_type", 5), ("non_object", 5),
-            ("deep_json", 2), ("oversize_text", 0.5), ("lone_binary", 4), ("ready", 6), ("progress", 4),
-            ("hello_again", 3), ("foreign_result", 8), ("own_poison", 10), ("replay", 3), ("bye", 0.3),
-            ("abort", 0.3), ("half_result", 3), ("big_binary", 0.2),
+            ("random_json", 10),
+            ("wrong_field", 30),
+            ("unknown_type", 5),
+            ("non_object", 5),
+            ("deep_json", 2),
+            ("oversize_text", 0.5),
+            ("lone_binary", 4),
+            ("ready", 6),
+            ("progress", 4),
+            ("hello_again", 3),
+            ("foreign_result", 8),
+            ("own_poison", 10),
+            ("replay", 3),
+            ("bye", 0.3),
+            ("abort", 0.3),
+            ("half_result", 3),
+            ("big_binary", 0.2),
         ]
 
     def next(self) -> Frame:
@@ -189,7 +261,7 @@ class Frames:
     def random_value(self, depth: int) -> Any:
         roll = self.rng.random()
         if depth <= 0 or roll < 0.4:
-            return self.rng.choice(HOSTILE[:-len(OTHERS)] + [self.rng.random(), self.rng.randint(-9, 9)])
+            return self.rng.choice(HOSTILE[: -len(OTHERS)] + [self.rng.random(), self.rng.randint(-9, 9)])
         if roll < 0.7:
             return [self.random_value(depth - 1) for _ in range(self.rng.randint(0, 4))]
         keys = ["type", "work_unit", "device", "timings", "protocol", *STRINGS[:6]]
@@ -208,15 +280,32 @@ class Frames:
         path = self.rng.choice(leaf_paths(message))
         if self.rng.random() < 0.1:
             return Frame("missing_field", text=dumps(_without(message, path)))
-        return Frame(f"wrong_field:{message['type']}.{'.'.join(path)}",
-                     text=dumps(replaced(message, path, self.rng.choice(HOSTILE))))
+        return Frame(
+            f"wrong_field:{message['type']}.{'.'.join(path)}",
+            text=dumps(replaced(message, path, self.rng.choice(HOSTILE))),
+        )
 
     def unknown_type(self) -> Frame:
         return Frame("unknown_type", text=dumps({"type": self.rng.choice(UNKNOWN_TYPES), "work_unit": 1}))
 
     def non_object(self) -> Frame:
-        texts = ["[]", "1", "null", '"hello"', "true", "", " ", "{", "}{", '{"type": "ready"}{}', "\x00",
-                 '{"type": "ready", "type": {}}', "NaN", "[" * 50 + "]" * 50, '{"type": ["ready"]}']
+        texts = [
+            "[]",
+            "1",
+            "null",
+            '"hello"',
+            "true",
+            "",
+            " ",
+            "{",
+            "}{",
+            '{"type": "ready"}{}',
+            "\x00",
+            '{"type": "ready", "type": {}}',
+            "NaN",
+            "[" * 50 + "]" * 50,
+            '{"type": ["ready"]}',
+        ]
         return Frame("non_object", text=self.rng.choice(texts))
 
     def deep_json(self) -> Frame:
@@ -246,8 +335,12 @@ class Frames:
         return Frame("progress", text=dumps(message))
 
     def hello_again(self) -> Frame:
-        device = {"backend": self.rng.choice(STRINGS), "gflops": self.rng.choice(NUMBERS),
-                  "memory_mb": self.rng.choice(NUMBERS), "user_agent": self.rng.choice(STRINGS)}
+        device = {
+            "backend": self.rng.choice(STRINGS),
+            "gflops": self.rng.choice(NUMBERS),
+            "memory_mb": self.rng.choice(NUMBERS),
+            "user_agent": self.rng.choice(STRINGS),
+        }
         return Frame("hello_again", text=dumps(hello(device)))
 
     def foreign_result(self) -> Frame:
@@ -330,19 +423,43 @@ POISONS: list[tuple[str, Poison]] = [
     ("wrong_shape", lambda u, r: (_honest_message(u), _zeros({n: (*s, 2) for n, s in u.shapes.items()}))),
     ("missing_param", lambda u, r: (_honest_message(u), _zeros(dict(list(u.shapes.items())[1:])))),
     ("extra_param", lambda u, r: (_honest_message(u), _zeros({**u.shapes, "evil": (3,)}))),
-    ("version_plus_999", lambda u, r: (_honest_message(u, model_version=u.model_version + 999),
-                                       _zeros(u.shapes))),
-    ("compute_ms_2**63-1", lambda u, r: (
-        _honest_message(u, timings={"download_ms": 0, "compute_ms": 2**63 - 1}), _zeros(u.shapes))),
+    (
+        "version_plus_999",
+        lambda u, r: (_honest_message(u, model_version=u.model_version + 999), _zeros(u.shapes)),
+    ),
+    (
+        "compute_ms_2**63-1",
+        lambda u, r: (
+            _honest_message(u, timings={"download_ms": 0, "compute_ms": 2**63 - 1}),
+            _zeros(u.shapes),
+        ),
+    ),
     ("samples_2**31", lambda u, r: (_honest_message(u, samples=2**31), _zeros(u.shapes))),
     ("samples_lie", lambda u, r: (_honest_message(u, samples=u.samples * 1000), _zeros(u.shapes))),
     ("header_len_2**64-1", lambda u, r: (_honest_message(u), struct.pack("<Q", 2**64 - 1) + b"{}")),
-    ("huge_declared_shape", lambda u, r: (_honest_message(u), _header(
-        {"w": {"dtype": "F32", "shape": [10**12, 10**12], "data_offsets": [0, 4]}}, b"\0" * 4))),
-    ("bad_dtype", lambda u, r: (_honest_message(u), _header(
-        {"w": {"dtype": "O", "shape": [1], "data_offsets": [0, 8]}}, b"\0" * 8))),
-    ("bad_block_size", lambda u, r: (_honest_message(u), _header(
-        {"__metadata__": {"codec": "int8", "block_size": r.choice(["0", "-1", "1e9", "99999999999"])}}))),
+    (
+        "huge_declared_shape",
+        lambda u, r: (
+            _honest_message(u),
+            _header({"w": {"dtype": "F32", "shape": [10**12, 10**12], "data_offsets": [0, 4]}}, b"\0" * 4),
+        ),
+    ),
+    (
+        "bad_dtype",
+        lambda u, r: (
+            _honest_message(u),
+            _header({"w": {"dtype": "O", "shape": [1], "data_offsets": [0, 8]}}, b"\0" * 8),
+        ),
+    ),
+    (
+        "bad_block_size",
+        lambda u, r: (
+            _honest_message(u),
+            _header(
+                {"__metadata__": {"codec": "int8", "block_size": r.choice(["0", "-1", "1e9", "99999999999"])}}
+            ),
+        ),
+    ),
     ("metadata_not_str", lambda u, r: (_honest_message(u), _header({"__metadata__": {"codec": ["fp32"]}}))),
     ("truncated", lambda u, r: (_honest_message(u), _zeros(u.shapes)[:-7])),
     ("garbage", lambda u, r: (_honest_message(u), _randbytes(r))),
@@ -415,17 +532,28 @@ class FuzzReport:
         return Counter(failure.key for failure in self.failures)
 
     def summary(self) -> dict[str, Any]:
-        return {"frames": self.frames, "connections": self.connections, "seconds": round(self.seconds, 1),
-                "frames_per_second": round(self.frames_per_second, 1), "bytes_sent": self.bytes_sent,
-                "crashes_1011": self.crashes, "stalls": self.stalls, "handshake_5xx": self.server_500s,
-                "closes": dict(self.closes), "handshakes_refused": dict(self.handshakes),
-                "server_errors": dict(self.server_errors), "kinds": dict(self.kinds),
-                "distinct_failures": [f.describe() for f in self.distinct().values()][:MAX_REPORTED]}
+        return {
+            "frames": self.frames,
+            "connections": self.connections,
+            "seconds": round(self.seconds, 1),
+            "frames_per_second": round(self.frames_per_second, 1),
+            "bytes_sent": self.bytes_sent,
+            "crashes_1011": self.crashes,
+            "stalls": self.stalls,
+            "handshake_5xx": self.server_500s,
+            "closes": dict(self.closes),
+            "handshakes_refused": dict(self.handshakes),
+            "server_errors": dict(self.server_errors),
+            "kinds": dict(self.kinds),
+            "distinct_failures": [f.describe() for f in self.distinct().values()][:MAX_REPORTED],
+        }
 
     def render(self) -> str:
-        head = (f"{self.frames} frames on {self.connections} connections in {self.seconds:.0f}s "
-                f"({self.frames_per_second:.0f}/s); closes {dict(self.closes)}; crashes {self.crashes}, "
-                f"stalls {self.stalls}, handshake 5xx {self.server_500s}")
+        head = (
+            f"{self.frames} frames on {self.connections} connections in {self.seconds:.0f}s "
+            f"({self.frames_per_second:.0f}/s); closes {dict(self.closes)}; crashes {self.crashes}, "
+            f"stalls {self.stalls}, handshake 5xx {self.server_500s}"
+        )
         counts = self.counts()
         failures = list(self.distinct().items())[:MAX_REPORTED]
         return "\n".join([head, *(f"- {counts[key]} x {f.describe()}" for key, f in failures)])
@@ -446,8 +574,16 @@ async def fuzz_account(url: str, username: str) -> Account:
 
 
 class Fuzzer:
-    def __init__(self, url: str, accounts: list[Account], *, seed: int = 0, connections: int = 2,
-                 batch: tuple[int, int] = (1, 150), web_log: Path | None = None) -> None:
+    def __init__(
+        self,
+        url: str,
+        accounts: list[Account],
+        *,
+        seed: int = 0,
+        connections: int = 2,
+        batch: tuple[int, int] = (1, 150),
+        web_log: Path | None = None,
+    ) -> None:
         self.url, self.accounts, self.seed, self.web_log = url.rstrip("/"), accounts, seed, web_log
         self.connections, self.batch = connections, batch
         self.report = FuzzReport()
@@ -466,8 +602,11 @@ class Fuzzer:
     async def run(self, *, frames: int, seconds: float = 3600) -> FuzzReport:
         self.budget, self.deadline = frames, time.monotonic() + seconds
         started = time.monotonic()
-        loops = [self._loop(account, random.Random(f"{self.seed}-{account.username}-{i}"))
-                 for account in self.accounts for i in range(self.connections)]
+        loops = [
+            self._loop(account, random.Random(f"{self.seed}-{account.username}-{i}"))
+            for account in self.accounts
+            for i in range(self.connections)
+        ]
         await asyncio.gather(*loops)
         self.report.seconds = time.monotonic() - started
         return self.report
@@ -481,9 +620,15 @@ class Fuzzer:
         """One connection's batch; the close code the server sent."""
         self.report.connections += 1
         try:
-            async with connect(self.ws_url, additional_headers={"Cookie": account.cookie},
-                               origin=Origin(self.url), max_size=None, open_timeout=30,
-                               close_timeout=STALL_SECONDS, ping_interval=None) as ws:
+            async with connect(
+                self.ws_url,
+                additional_headers={"Cookie": account.cookie},
+                origin=Origin(self.url),
+                max_size=None,
+                open_timeout=30,
+                close_timeout=STALL_SECONDS,
+                ping_interval=None,
+            ) as ws:
                 await _Connection(self, account, ws, rng).run()
             received = ws.protocol.close_rcvd
             return received.code if received is not None else None
@@ -535,8 +680,13 @@ class Fuzzer:
 
     async def probe(self, account: Account, frame: Frame) -> int | None:
         with contextlib.suppress(OSError, TimeoutError, InvalidStatus, ConnectionClosed):
-            async with connect(self.ws_url, additional_headers={"Cookie": account.cookie},
-                               origin=Origin(self.url), max_size=None, ping_interval=None) as ws:
+            async with connect(
+                self.ws_url,
+                additional_headers={"Cookie": account.cookie},
+                origin=Origin(self.url),
+                max_size=None,
+                ping_interval=None,
+            ) as ws:
                 await ws.send(dumps(hello()))
                 await _send_frame(ws, frame)
                 await ws.send(dumps({"type": "bye"}))
@@ -684,6 +834,19 @@ def scalar(database_url: str, sql: str, *params: Any) -> Any:
     return row[0] if row else None
 
 
+def round_state(database_url: str) -> list[tuple[Any, ...]]:
+    """The newest version's work units and their results: (unit status, wanted, result status, validation,
+    volunteer, how many)."""
+    sql = (
+        "SELECT w.status, w.wanted, r.status, r.validation, u.username, count(*) FROM projects_workunit w "
+        "LEFT JOIN projects_result r ON r.work_unit_id = w.id LEFT JOIN auth_user u ON u.id = r.volunteer_id "
+        "WHERE w.version_id = (SELECT max(id) FROM projects_modelversion) GROUP BY 1, 2, 3, 4, 5 "
+        "ORDER BY 1, 2"
+    )
+    with psycopg.connect(database_url) as conn:
+        return [tuple(row) for row in conn.execute(sql).fetchall()]
+
+
 def latest_version(database_url: str) -> int:
     return int(scalar(database_url, "SELECT coalesce(max(number), 0) FROM projects_modelversion"))
 
@@ -691,25 +854,40 @@ def latest_version(database_url: str) -> int:
 def invariants(database_url: str, *, fuzz_prefix: str, give_up_seconds: float) -> list[str]:
     """The books after a fuzz: each broken invariant as a sentence (empty when all hold)."""
     checks: list[tuple[Any, ...]] = [
-        ("results received but never judged for longer than the give-up bound",
-         "SELECT count(*) FROM projects_result WHERE status = 'received' AND validation = 'pending' "
-         "AND received_at < now() - make_interval(secs => %s)", give_up_seconds),
-        ("ledger total differs from validated FLOPs (samples x flops_per_sample of valid results)",
-         "SELECT (SELECT coalesce(sum(flops), 0) FROM workers_creditentry) - (SELECT coalesce(sum(r.samples"
-         " * p.flops_per_sample), 0) FROM projects_result r JOIN projects_workunit w ON w.id = r.work_unit_id"
-         " JOIN projects_project p ON p.id = w.project_id WHERE r.validation = 'valid')"),
-        ("volunteers whose total_flops differs from their ledger",
-         "SELECT count(*) FROM workers_volunteer v WHERE v.total_flops <> (SELECT coalesce(sum(c.flops), 0) "
-         "FROM workers_creditentry c WHERE c.volunteer_id = v.id)"),
-        ("FLOPs credited to fuzz accounts",
-         "SELECT coalesce(sum(c.flops), 0) FROM workers_creditentry c JOIN workers_volunteer v "
-         "ON v.id = c.volunteer_id JOIN auth_user u ON u.id = v.user_id WHERE u.username LIKE %s",
-         fuzz_prefix + "%"),
-        ("valid results of fuzz accounts",
-         "SELECT count(*) FROM projects_result r JOIN auth_user u ON u.id = r.volunteer_id "
-         "WHERE u.username LIKE %s AND r.validation = 'valid'", fuzz_prefix + "%"),
-        ("results aggregated that are not valid",
-         "SELECT count(*) FROM projects_result WHERE aggregated AND validation <> 'valid'"),
+        (
+            "results received but never judged for longer than the give-up bound",
+            "SELECT count(*) FROM projects_result WHERE status = 'received' AND validation = 'pending' "
+            "AND received_at < now() - make_interval(secs => %s)",
+            give_up_seconds,
+        ),
+        (
+            "ledger total differs from validated FLOPs (samples x flops_per_sample of valid results)",
+            "SELECT (SELECT coalesce(sum(flops), 0) FROM workers_creditentry) - "
+            "(SELECT coalesce(sum(r.samples * p.flops_per_sample), 0) FROM projects_result r "
+            "JOIN projects_workunit w ON w.id = r.work_unit_id "
+            "JOIN projects_project p ON p.id = w.project_id WHERE r.validation = 'valid')",
+        ),
+        (
+            "volunteers whose total_flops differs from their ledger",
+            "SELECT count(*) FROM workers_volunteer v WHERE v.total_flops <> "
+            "(SELECT coalesce(sum(c.flops), 0) FROM workers_creditentry c WHERE c.volunteer_id = v.id)",
+        ),
+        (
+            "FLOPs credited to fuzz accounts",
+            "SELECT coalesce(sum(c.flops), 0) FROM workers_creditentry c JOIN workers_volunteer v "
+            "ON v.id = c.volunteer_id JOIN auth_user u ON u.id = v.user_id WHERE u.username LIKE %s",
+            fuzz_prefix + "%",
+        ),
+        (
+            "valid results of fuzz accounts",
+            "SELECT count(*) FROM projects_result r JOIN auth_user u ON u.id = r.volunteer_id "
+            "WHERE u.username LIKE %s AND r.validation = 'valid'",
+            fuzz_prefix + "%",
+        ),
+        (
+            "results aggregated that are not valid",
+            "SELECT count(*) FROM projects_result WHERE aggregated AND validation <> 'valid'",
+        ),
     ]
     broken = []
     for sentence, sql, *params in checks:
@@ -747,7 +925,10 @@ class Campaign:
                 found.append(f"{count} traceback(s) in {name}.log ending {last!r}:\n{excerpt}")
             found += [f"HTTP 5xx in {name}.log: {line}" for line in server_errors_in(log)[:5]]
         found += invariants(database_url, fuzz_prefix="fuzz-", give_up_seconds=give_up_seconds)
-        return found + self._training_problems()
+        training = self._training_problems()
+        if training:  # what the stalled round looked like, for whoever reads the failure
+            training.append(f"the newest round: {round_state(database_url)}; honest: {self.honest}")
+        return found + training
 
     def _training_problems(self) -> list[str]:
         found = []
@@ -782,9 +963,18 @@ async def watch_versions(database_url: str, seen: list[float], stop: asyncio.Eve
         latest = await version_after(database_url, latest, 5.0, seen)
 
 
-async def campaign(url: str, database_url: str, *, frames: int, seconds: float = 3600, accounts: int = 3,
-                   honest: int = 2, seed: int = 0, connections: int = 2, web_log: Path | None = None
-                   ) -> Campaign:
+async def campaign(
+    url: str,
+    database_url: str,
+    *,
+    frames: int,
+    seconds: float = 3600,
+    accounts: int = 3,
+    honest: int = 2,
+    seed: int = 0,
+    connections: int = 2,
+    web_log: Path | None = None,
+) -> Campaign:
     """Honest volunteers train; once a version is out the fuzz accounts fuzz; then training must go on."""
     sims = [Simulator(_volunteer(url, f"honest-{i}")) for i in range(honest)]
     tasks = [asyncio.create_task(sim.run()) for sim in sims]
@@ -802,8 +992,9 @@ async def campaign(url: str, database_url: str, *, frames: int, seconds: float =
     stop.set()
     await watcher
     await fuzzer.triage(fuzz_accounts[0])
-    outcome.versions["after"] = await version_after(database_url, outcome.versions["fuzz_end"],
-                                                    AFTER_SECONDS, [])
+    outcome.versions["after"] = await version_after(
+        database_url, outcome.versions["fuzz_end"], AFTER_SECONDS, []
+    )
     outcome.honest = await _stop_all(sims, tasks)
     return outcome
 
@@ -863,30 +1054,55 @@ class Phase:
         def total(stat: str) -> int:
             return sum(int(getattr(s, stat)) for s in self.honest_stats())
 
-        return {"label": self.label, "versions": self.versions, "seconds": round(self.seconds, 1),
-                "versions_per_minute": round(self.versions_per_minute, 2),
-                "versions_per_honest_result": round(self.versions_per_honest_result, 3),
-                "honest_results": self.honest_results, "honest_valid": total("valid"),
-                "honest_invalid": total("invalid"), "honest_late": total("late"),
-                "completed": self.completed, "attackers": [_describe(a) for a in self.attackers]}
+        return {
+            "label": self.label,
+            "versions": self.versions,
+            "seconds": round(self.seconds, 1),
+            "versions_per_minute": round(self.versions_per_minute, 2),
+            "versions_per_honest_result": round(self.versions_per_honest_result, 3),
+            "honest_results": self.honest_results,
+            "honest_valid": total("valid"),
+            "honest_invalid": total("invalid"),
+            "honest_late": total("late"),
+            "completed": self.completed,
+            "attackers": [_describe(a) for a in self.attackers],
+        }
 
 
 def _describe(stats: Any) -> dict[str, Any] | str:
     if isinstance(stats, BaseException):
         return repr(stats)
-    return {"username": stats.username, "results": stats.work_units, "valid": stats.valid,
-            "invalid": stats.invalid, "late": stats.late, "unanswered": stats.unanswered,
-            "errors": stats.errors, "reconnects": stats.reconnects, "credit_flops": stats.credit_flops}
+    return {
+        "username": stats.username,
+        "results": stats.work_units,
+        "valid": stats.valid,
+        "invalid": stats.invalid,
+        "late": stats.late,
+        "unanswered": stats.unanswered,
+        "errors": stats.errors,
+        "reconnects": stats.reconnects,
+        "credit_flops": stats.credit_flops,
+    }
 
 
-async def hostile_phase(url: str, database_url: str, *, label: str, honest: int, attackers: int,
-                        work_units: int, cap_seconds: float) -> Phase:
+async def hostile_phase(
+    url: str,
+    database_url: str,
+    *,
+    label: str,
+    honest: int,
+    attackers: int,
+    work_units: int,
+    cap_seconds: float,
+) -> Phase:
     """Run honest volunteers to `work_units` each (or the cap) with poisoning attackers alongside."""
     phase = Phase(label, work_units)
-    honest_sims = [Simulator(_volunteer(url, f"{label}-honest-{i}", max_work_units=work_units))
-                   for i in range(honest)]
-    attacker_sims = [Simulator(_volunteer(url, f"{label}-attacker-{i}", byzantine="poison"))
-                     for i in range(attackers)]
+    honest_sims = [
+        Simulator(_volunteer(url, f"{label}-honest-{i}", max_work_units=work_units)) for i in range(honest)
+    ]
+    attacker_sims = [
+        Simulator(_volunteer(url, f"{label}-attacker-{i}", byzantine="poison")) for i in range(attackers)
+    ]
     before, started = await asyncio.to_thread(latest_version, database_url), time.monotonic()
     honest_tasks = [asyncio.create_task(s.run()) for s in honest_sims]
     attacker_tasks = [asyncio.create_task(s.run()) for s in attacker_sims]
@@ -899,18 +1115,34 @@ async def hostile_phase(url: str, database_url: str, *, label: str, honest: int,
 
 
 def _volunteer(url: str, name: str, **overrides: Any) -> SimulatorConfig:
-    return SimulatorConfig(url=url, username=name, password=HONEST_PASSWORD, signup=True, gflops=50,
-                           bandwidth_mbit=200, latency_ms=5, verdict_timeout_s=10, seed=len(name),
-                           **overrides)
+    return SimulatorConfig(
+        url=url,
+        username=name,
+        password=HONEST_PASSWORD,
+        signup=True,
+        gflops=50,
+        bandwidth_mbit=200,
+        latency_ms=5,
+        verdict_timeout_s=10,
+        seed=len(name),
+        **overrides,
+    )
 
 
 def earned(database_url: str, prefix: str) -> tuple[int, int]:
     """FLOPs credited to and valid results of the accounts whose names start with `prefix`."""
     pattern = prefix + "%"
-    flops = scalar(database_url, "SELECT coalesce(sum(c.flops), 0) FROM workers_creditentry c "
-                                 "JOIN workers_volunteer v ON v.id = c.volunteer_id "
-                                 "JOIN auth_user u ON u.id = v.user_id WHERE u.username LIKE %s", pattern)
-    valid = scalar(database_url, "SELECT count(*) FROM projects_result r JOIN auth_user u ON "
-                                 "u.id = r.volunteer_id WHERE u.username LIKE %s AND r.validation = 'valid'",
-                   pattern)
+    flops = scalar(
+        database_url,
+        "SELECT coalesce(sum(c.flops), 0) FROM workers_creditentry c "
+        "JOIN workers_volunteer v ON v.id = c.volunteer_id "
+        "JOIN auth_user u ON u.id = v.user_id WHERE u.username LIKE %s",
+        pattern,
+    )
+    valid = scalar(
+        database_url,
+        "SELECT count(*) FROM projects_result r JOIN auth_user u ON "
+        "u.id = r.volunteer_id WHERE u.username LIKE %s AND r.validation = 'valid'",
+        pattern,
+    )
     return int(flops), int(valid)

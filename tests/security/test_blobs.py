@@ -74,7 +74,7 @@ def assert_private(response: dict[str, Any], data: bytes) -> None:
 
 def test_graph_and_weights_of_a_running_project_are_public(mlp_project: Project) -> None:
     version = mlp_project.current_version()
-    for blob in (mlp_project.graph, version.download):
+    for blob in (mlp_project.graph, version.wire_blob):
         response = fetch(blob.url)
         assert response["status"] == 200 and response["body"] == blob.read()
         assert response["headers"][b"cache-control"] == PUBLIC
@@ -84,13 +84,13 @@ def test_graph_and_weights_of_a_running_project_are_public(mlp_project: Project)
 @pytest.mark.parametrize("status", [Project.Status.PAUSED, Project.Status.DRAFT])
 def test_graph_and_weights_of_a_stopped_project_are_not(mlp_project: Project, status: str) -> None:
     Project.objects.filter(pk=mlp_project.pk).update(status=status)
-    for blob in (mlp_project.graph, mlp_project.current_version().download):
+    for blob in (mlp_project.graph, mlp_project.current_version().wire_blob):
         assert fetch(blob.url)["status"] == 404
 
 
 def test_a_finished_projects_model_stays_public(mlp_project: Project) -> None:
     Project.objects.filter(pk=mlp_project.pk).update(status=Project.Status.FINISHED)
-    assert fetch(mlp_project.current_version().download.url)["status"] == 200
+    assert fetch(mlp_project.current_version().wire_blob.url)["status"] == 200
 
 
 def test_a_shard_that_is_also_a_stopped_projects_weights_is_private(assigned: Result) -> None:
@@ -145,7 +145,7 @@ def test_a_grant_is_for_one_shard_only(assigned: Result, researcher: User) -> No
     assert other is not None
     query = "&".join(f"{key}={value[0]}" for key, value in grant.items())
     assert fetch(f"{other.blob.url}?{query}")["status"] == 403
-    weights = assigned.work_unit.version.download
+    weights = assigned.work_unit.version.wire_blob
     Project.objects.filter(pk=assigned.work_unit.project_id).update(status=Project.Status.PAUSED)
     assert fetch(f"{weights.url}?{query}")["status"] == 403  # not a shard of the project
 

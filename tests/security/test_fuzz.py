@@ -12,12 +12,11 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator
 
-import psycopg
 import pytest
 
+from devstack.stack import Stack
 from projects.lifecycle import VALIDATION_GIVE_UP_SECONDS
 from tests.conftest import run_async
-from tests.e2e.stack import Stack
 from tests.security.fuzz import UNTHROTTLED, Campaign, campaign
 
 pytestmark = pytest.mark.slow
@@ -31,21 +30,21 @@ PROCESSES = ("web", "worker", "validator", "beat")
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    running = Stack(var_dir=tmp_path_factory.mktemp("fuzz-stack"), database=DATABASE, redis_db=REDIS_DB,
-                    extra_env=UNTHROTTLED)
-    try:
-        running.start()
-        # Short rounds: a round that lost its work units to fuzz accounts closes soon with what it has.
-        with psycopg.connect(running.database_url) as conn:
-            conn.execute("UPDATE projects_project SET round_timeout = 5")
+    # Short rounds: a round that lost its work units to fuzz accounts closes soon with what it has.
+    with Stack(
+        var_dir=tmp_path_factory.mktemp("fuzz-stack"),
+        database=DATABASE,
+        redis_db=REDIS_DB,
+        extra_env=UNTHROTTLED,
+        round_timeout=5,
+    ) as running:
         yield running
-    finally:
-        running.stop()
 
 
 def test_fuzzed_protocol_never_crashes_stalls_or_pays(stack: Stack) -> None:
-    outcome: Campaign = run_async(campaign(stack.url, stack.database_url, frames=FRAMES,
-                                            web_log=stack.var_dir / "web.log"))
+    outcome: Campaign = run_async(
+        campaign(stack.url, stack.database_url, frames=FRAMES, web_log=stack.var_dir / "web.log")
+    )
 
     report = outcome.report
     assert report.frames >= FRAMES, report.render()

@@ -11,6 +11,7 @@ import os
 import subprocess
 import sys
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -34,13 +35,18 @@ def fresh_limiter(settings: Any) -> None:
     settings.PASSWORD_HASHERS = ["django.contrib.auth.hashers.MD5PasswordHasher"]
 
 
-@pytest.fixture
-def window_passes(monkeypatch: pytest.MonkeyPatch) -> Any:
-    def travel() -> None:
-        original = core._get_window
-        monkeypatch.setattr(core, "_get_window", lambda value, period: original(value, period) + period)
+@pytest.fixture(autouse=True)
+def window_passes(monkeypatch: pytest.MonkeyPatch) -> Callable[[], None]:
+    """The limiter's clock stands still during a test (a minute boundary passing mid-test, as on a loaded
+    machine, would reset the counts); calling the fixture moves it on by one window."""
+    original, passed = core._get_window, [0]
+    frozen: dict[tuple[Any, int], int] = {}
 
-    return travel
+    def window(value: str, period: int) -> int:
+        return int(frozen.setdefault((value, period), original(value, period))) + passed[0] * period
+
+    monkeypatch.setattr(core, "_get_window", window)
+    return lambda: passed.__setitem__(0, passed[0] + 1)
 
 
 def log_in(client: Client, username: str, password: str, path: str = "/login/", ip: str = "127.0.0.1") -> Any:
@@ -50,7 +56,8 @@ def log_in(client: Client, username: str, password: str, path: str = "/login/", 
 def test_the_limiter_counts_in_the_real_redis_cache(client: Client, volunteer_user: User) -> None:
     assert django_settings.CACHES["default"]["BACKEND"] == "django.core.cache.backends.redis.RedisCache"
     log_in(client, "alice", WRONG)
-    keys = redis.Redis.from_url(django_settings.REDIS_URL).keys(f"*{django_settings.RATELIMIT_CACHE_PREFIX}*")
+    prefix = django_settings.RATELIMIT_CACHE_PREFIX  # type: ignore[misc]  # set by the fixture above
+    keys = redis.Redis.from_url(django_settings.REDIS_URL).keys(f"*{prefix}*")
     assert len(keys) == 2  # one counter for the address, one for the account
 
 

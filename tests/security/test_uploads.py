@@ -19,8 +19,9 @@ import pytest
 from asgiref.sync import async_to_sync
 from django.conf import settings
 from django.contrib.auth.models import User
-from django.core.files.uploadedfile import SimpleUploadedFile
+from django.core.files.uploadedfile import SimpleUploadedFile, UploadedFile
 from django.test import AsyncClient, Client, override_settings
+from django.utils.datastructures import MultiValueDict
 
 from engine.graph import MAX_ACTIVATION_BYTES, activation_memory, load_graph
 from engine.presets import PRESETS, export_preset
@@ -64,8 +65,10 @@ def post_dataset(admin: Client, name: str, data: bytes) -> Any:
 
 
 def post_model(admin: Client, dataset: Dataset, graph: bytes, weights: bytes, **extra: Any) -> Any:
-    files = {"graph_file": SimpleUploadedFile("graph.json", graph),
-             "weights_file": SimpleUploadedFile("weights.safetensors", weights)}
+    files = {
+        "graph_file": SimpleUploadedFile("graph.json", graph),
+        "weights_file": SimpleUploadedFile("weights.safetensors", weights),
+    }
     form = project_form(model_source="upload", preset="", dataset=str(dataset.pk), **files, **extra)
     return admin.post(ADD_URL, form)
 
@@ -86,30 +89,45 @@ NPZ_CASES: dict[str, tuple[bytes, str]] = {
     "negative shape": (u.huge_shape_npz((-1, 4)), "x.npy declares shape [-1, 4]"),
     "zip bomb (64 MiB of zeros in 65 KB)": (u.zip_bomb(64 * 2**20), "Uncompressed"),
     "directory hides the inflated size": (
-        u.lying_directory(u.zip_of([("x.npy", u.npy_array(np.zeros((4096, 4), "f4"))),
-                                    ("y.npy", u.labels(4096))], compress=True), "x.npy", 100),
-        "The .npz file is damaged: Bad CRC-32"),
+        u.lying_directory(
+            u.zip_of(
+                [("x.npy", u.npy_array(np.zeros((4096, 4), "f4"))), ("y.npy", u.labels(4096))], compress=True
+            ),
+            "x.npy",
+            100,
+        ),
+        "The .npz file is damaged: Bad CRC-32",
+    ),
     "object dtype in the header": (
         u.zip_of([("x.npy", u.npy((2, 2), "|O", b"\0" * 32)), ("y.npy", u.labels(2))]),
-        "object (pickled) arrays"),
+        "object (pickled) arrays",
+    ),
     "structured dtype": (
         u.zip_of([("x.npy", u.npy_header("(2, 1)", "[('a', '<f4')]") + b"\0" * 8), ("y.npy", u.labels(2))]),
-        "x has dtype"),
+        "x has dtype",
+    ),
     "subarray dtype of 2**62 elements": (
-        u.zip_of([("x.npy", u.npy_header("(2, 1)", "('<f4', (2147483647, 2147483647))")),
-                  ("y.npy", u.labels(2))]),
-        "Cannot read the .npz file"),
+        u.zip_of(
+            [("x.npy", u.npy_header("(2, 1)", "('<f4', (2147483647, 2147483647))")), ("y.npy", u.labels(2))]
+        ),
+        "Cannot read the .npz file",
+    ),
     "shape nested 5,000 deep": (
         u.zip_of([("x.npy", u.npy_header("(" * 5000 + "1," + ")" * 5000)), ("y.npy", u.labels(2))]),
-        "Cannot read the .npz file"),
+        "Cannot read the .npz file",
+    ),
     "npy version 3": (
         u.zip_of([("x.npy", u.npy_header("(2, 1)", version=3) + b"\0" * 8), ("y.npy", u.labels(2))]),
-        "Cannot read the .npz file"),
+        "Cannot read the .npz file",
+    ),
     "more data than the shape": (
         u.zip_of([("x.npy", u.npy((2, 1), data=b"\0" * 4096)), ("y.npy", u.labels(2))]),
-        "x.npy declares shape [2, 1]"),
-    "x twice": (u.zip_of([("x.npy", u.npy_array(np.zeros((2, 1), "f4")))] * 2 + [("y.npy", u.labels(2))]),
-                "more than once"),
+        "x.npy declares shape [2, 1]",
+    ),
+    "x twice": (
+        u.zip_of([("x.npy", u.npy_array(np.zeros((2, 1), "f4")))] * 2 + [("y.npy", u.labels(2))]),
+        "more than once",
+    ),
     "40 members": (u.zip_of([(f"m{i}.npy", b"") for i in range(40)]), "Unexpected arrays"),
 }
 
@@ -149,9 +167,13 @@ GRAPH_CASES: dict[str, tuple[bytes, str]] = {
     "graph objects nested 50,000 deep": (u.nested_json(50_000, "{"), "nested"),
     "unused field nested 990 deep": (u.graph_with(u.nested_json(990)), "nested"),
     "activations of 1.5 TB per sample": (
-        json.dumps(u.activation_bomb(features=4, side=153_664, classes=2)).encode(), "node 'outer'"),
-    "a number of 5,000 digits": (b'{"format": "crowdtrain.graph", "version": ' + b"9" * 5000 + b"}",
-                                 "Invalid model graph"),
+        json.dumps(u.activation_bomb(features=4, side=153_664, classes=2)).encode(),
+        "node 'outer'",
+    ),
+    "a number of 5,000 digits": (
+        b'{"format": "crowdtrain.graph", "version": ' + b"9" * 5000 + b"}",
+        "Invalid model graph",
+    ),
     "Infinity as a dimension": (VALID_GRAPH.replace(b"[2, 4]", b"[2, Infinity]"), "shape must be a list"),
 }
 
@@ -185,22 +207,35 @@ def test_every_preset_fits_the_default_limit_four_times_over() -> None:
 
 WEIGHTS_CASES: dict[str, tuple[bytes, str]] = {
     "header nested 100,000 deep (the issue's frame)": (
-        struct.pack("<Q", 200_000) + b"[" * 100_000 + b"]" * 100_000, "nested"),
+        struct.pack("<Q", 200_000) + b"[" * 100_000 + b"]" * 100_000,
+        "nested",
+    ),
     "header length of 89.5 MB": (struct.pack("<Q", 89_500_000) + b"{}" + bytes(1000), "header"),
     "header length of 2**64 - 1": (struct.pack("<Q", 2**64 - 1) + b"{}", "header"),
     "shape (10**12, 1) in 4 bytes": (
         u.safetensors(json.dumps({"w": u.st_entry("F32", [10**12, 1], [0, 4])}).encode(), bytes(4)),
-        "tensor 'w'"),
+        "tensor 'w'",
+    ),
     "offsets beyond the file": (
         u.safetensors(json.dumps({"w": u.st_entry("F32", [2, 4], [0, 2**40])}).encode(), bytes(32)),
-        "tensor 'w'"),
+        "tensor 'w'",
+    ),
     "unsupported dtype": (
         u.safetensors(json.dumps({"w": u.st_entry("U64", [2, 2], [0, 32])}).encode(), bytes(32)),
-        "dtype"),
+        "dtype",
+    ),
     "unicode digit as block size": (
-        u.safetensors(json.dumps({"__metadata__": {"codec": "int8", "block_size": "²"},
-                                  "w": u.st_entry("F32", [2, 4], [0, 32])}).encode(), bytes(32)),
-        "block_size"),
+        u.safetensors(
+            json.dumps(
+                {
+                    "__metadata__": {"codec": "int8", "block_size": "²"},
+                    "w": u.st_entry("F32", [2, 4], [0, 32]),
+                }
+            ).encode(),
+            bytes(32),
+        ),
+        "block_size",
+    ),
 }
 
 
@@ -263,11 +298,15 @@ def test_under_asgi_uploads_are_parsed_off_the_event_loop_from_a_file_on_disk(
 def fuzz_form(upload: u.Upload, owner: User, dataset: Dataset) -> forms.forms.ModelForm:
     """The admin's own form classes, bound as the admin binds them (without rendering the page)."""
     if upload.kind == u.NPZ:
-        files = {"file": SimpleUploadedFile("f.npz", upload.data)}
-        return forms.DatasetAddForm({"name": upload.name}, files)
+        npz: MultiValueDict[str, UploadedFile] = MultiValueDict(
+            {"file": [SimpleUploadedFile("f.npz", upload.data)]}
+        )
+        return forms.DatasetAddForm({"name": upload.name}, npz)
     graph, weights = (upload.data, VALID_WEIGHTS) if upload.kind == u.GRAPH else (VALID_GRAPH, upload.data)
-    files = {"graph_file": SimpleUploadedFile("graph.json", graph),
-             "weights_file": SimpleUploadedFile("weights.safetensors", weights)}
+    files = {
+        "graph_file": SimpleUploadedFile("graph.json", graph),
+        "weights_file": SimpleUploadedFile("weights.safetensors", weights),
+    }
     data = project_form(name=upload.name, model_source="upload", preset="", dataset=str(dataset.pk))
     return type("Form", (forms.ProjectAddForm,), {"owner": owner})(data, files)
 

@@ -25,10 +25,45 @@ NPZ, GRAPH, WEIGHTS = "npz", "graph", "weights"
 
 # Dimensions that break naive code: negative, zero, int32/int64 edges, and far beyond memory.
 DIMS = [-1, 0, 1, 2, 3, 7, 2**31 - 1, 2**31, 10**12, 2**63 - 1, 2**63, 2**64 + 1]
-DESCRS = ["<f4", "<f8", "|u1", "<i8", "|O", "<U10", "|V8", "<c8", ">f4", "|b1", "<f2", "<M8[s]",
-          "[('a', '<f4')]", "('<f4', (2147483647, 2147483647))", "'<f4'", "None", "1e400"]
-ST_DTYPES = ["F32", "F16", "BF16", "F64", "I8", "I16", "I32", "I64", "U8", "BOOL", "U64", "F8_E4M3",
-             "C64", "", "f32", None, 3, []]
+DESCRS = [
+    "<f4",
+    "<f8",
+    "|u1",
+    "<i8",
+    "|O",
+    "<U10",
+    "|V8",
+    "<c8",
+    ">f4",
+    "|b1",
+    "<f2",
+    "<M8[s]",
+    "[('a', '<f4')]",
+    "('<f4', (2147483647, 2147483647))",
+    "'<f4'",
+    "None",
+    "1e400",
+]
+ST_DTYPES: list[Any] = [
+    "F32",
+    "F16",
+    "BF16",
+    "F64",
+    "I8",
+    "I16",
+    "I32",
+    "I64",
+    "U8",
+    "BOOL",
+    "U64",
+    "F8_E4M3",
+    "C64",
+    "",
+    "f32",
+    None,
+    3,
+    [],
+]
 
 
 @dataclass(frozen=True)
@@ -134,7 +169,9 @@ def graph_with(extra: Any) -> bytes:
 
 def mlp_graph(features: int = 4, classes: int = 2) -> dict[str, Any]:
     return {
-        "format": "crowdtrain.graph", "version": 1, "name": "tiny",
+        "format": "crowdtrain.graph",
+        "version": 1,
+        "name": "tiny",
         "inputs": [{"name": "x", "shape": [-1, features], "dtype": "float32"}],
         "targets": [{"name": "y", "shape": [-1], "dtype": "int64"}],
         "params": [{"name": "w", "shape": [classes, features], "dtype": "float32"}],
@@ -159,8 +196,10 @@ def activation_bomb(features: int = 784, side: int = 784, classes: int = 10) -> 
         {"name": "logits", "op": "reshape", "inputs": ["few"], "attrs": {"shape": [-1, classes]}},
     ]
     graph = mlp_graph(features, classes)
-    graph["params"] = [{"name": "a", "shape": [1, side], "dtype": "float32"},
-                       {"name": "b", "shape": [1, wide], "dtype": "float32"}]
+    graph["params"] = [
+        {"name": "a", "shape": [1, side], "dtype": "float32"},
+        {"name": "b", "shape": [1, wide], "dtype": "float32"},
+    ]
     graph.update(nodes=nodes, output="logits", loss={"op": "cross_entropy", "inputs": ["logits", "y"]})
     return graph
 
@@ -201,8 +240,12 @@ def _random_shape(rng: random.Random) -> str:
 def random_npz(rng: random.Random) -> bytes:
     choice = rng.randrange(8)
     if choice == 0:  # a header of random fields, a little data or none
-        header = npy_header(_random_shape(rng), rng.choice(DESCRS), rng.choice(["False", "True", "1", "'x'"]),
-                            rng.choice([1, 1, 2, 3]))
+        header = npy_header(
+            _random_shape(rng),
+            rng.choice(DESCRS),
+            rng.choice(["False", "True", "1", "'x'"]),
+            rng.choice([1, 1, 2, 3]),
+        )
         return zip_of([("x.npy", header + bytes(rng.choice([0, 4, 16, 4096]))), ("y.npy", labels(4))])
     if choice == 1:  # a compression bomb of a random ratio and size
         return zip_bomb(rng.choice([1, 4, 16, 40, 70]) * 2**20)
@@ -210,8 +253,10 @@ def random_npz(rng: random.Random) -> bytes:
         real = zip_of([("x.npy", npy_array(np.zeros((4096, 4), np.float32))), ("y.npy", labels(4096))], True)
         return lying_directory(real, "x.npy", rng.choice([0, 100, 2**20, 2**32 - 1]))
     if choice == 3:  # random member names, duplicates, many members
-        names = [rng.choice(["x.npy", "y.npy", "x", "../x.npy", "x_test.npy", "a/b.npy", "z" * 300])
-                 for _ in range(rng.choice([1, 2, 3, 5, 40]))]
+        names = [
+            rng.choice(["x.npy", "y.npy", "x", "../x.npy", "x_test.npy", "a/b.npy", "z" * 300])
+            for _ in range(rng.choice([1, 2, 3, 5, 40]))
+        ]
         return zip_of([(name, valid_npz_member(rng)) for name in names], rng.random() < 0.5)
     if choice == 4:  # byte flips near the start (zip and .npy headers)
         return _flip(rng, valid_npz(seed=rng.randrange(10**6)), 200, rng.randint(1, 8))
@@ -261,8 +306,16 @@ def random_weights(rng: random.Random) -> bytes:
     if choice == 3:
         return _flip(rng, weights_for(graph), 120, rng.randint(1, 6))
     if choice == 4:  # bad metadata
-        meta = rng.choice([{"codec": "int8", "block_size": "²"}, {"codec": []}, {"block_size": "9" * 5000},
-                           {"codec": "int8", "block_size": "0"}, "x", {"codec": "fp64"}])
+        meta: Any = rng.choice(
+            [
+                {"codec": "int8", "block_size": "²"},
+                {"codec": []},
+                {"block_size": "9" * 5000},
+                {"codec": "int8", "block_size": "0"},
+                "x",
+                {"codec": "fp64"},
+            ]
+        )
         header = {"__metadata__": meta, "w": st_entry("F32", [2, 4], [0, 32])}
         return safetensors(json.dumps(header).encode(), bytes(32))
     data = weights_for(graph)
@@ -277,7 +330,9 @@ def _flip(rng: random.Random, data: bytes, within: int, count: int) -> bytes:
 
 
 GENERATORS: dict[str, Callable[[random.Random], bytes]] = {
-    NPZ: random_npz, GRAPH: random_graph, WEIGHTS: random_weights,
+    NPZ: random_npz,
+    GRAPH: random_graph,
+    WEIGHTS: random_weights,
 }
 
 

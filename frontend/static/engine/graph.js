@@ -1,21 +1,18 @@
 // Load and validate a crowdtrain.graph (docs/graph-format.md) before anything runs it.
-// Classic script: attaches to self.crowdtrain.graph.
+// Classic script: attaches to self.crowdtrain.graph; needs crowdtrain.spec (spec.js, from engine/spec.json),
+// whose op table, limits and dtypes are the server's own (engine/graph.py reads the same file).
 (function (ns) {
   "use strict";
 
-  const LIMITS = { nodes: 2000, params: 500, paramElements: 200e6, nameLength: 200 };
-  const NAME_RE = /^[A-Za-z0-9_.:/-]+$/;
-
-  // op -> [min inputs, max inputs]; Infinity for concat.
-  const OPS = {
-    linear: [2, 3], conv2d: [2, 3], batch_norm: [5, 5], layer_norm: [1, 3], embedding: [2, 2],
-    relu: [1, 1], tanh: [1, 1], sigmoid: [1, 1], gelu: [1, 1], softmax: [1, 1], log_softmax: [1, 1],
-    dropout: [1, 1], max_pool2d: [1, 1], avg_pool2d: [1, 1], adaptive_avg_pool2d: [1, 1],
-    flatten: [1, 1], reshape: [1, 1], permute: [1, 1], transpose: [1, 1],
-    add: [2, 2], sub: [2, 2], mul: [2, 2], div: [2, 2], scale: [1, 1], matmul: [2, 2],
-    concat: [1, Infinity], split: [1, 1], scaled_dot_product_attention: [3, 3], arange_embedding: [2, 2],
+  const SPEC = ns.spec.graph;
+  const LIMITS = {
+    nodes: SPEC.limits.nodes, params: SPEC.limits.params, paramElements: SPEC.limits.param_elements,
+    nameLength: SPEC.limits.name_length,
   };
-  const LOSSES = { cross_entropy: 2, mse: 2 };
+  const NAME_RE = new RegExp(`^(?:${SPEC.name_pattern})$`);
+  // op -> {inputs: slot names, "?" optional (may be null), "*" variadic; attrs: {name: {kind, default?}}}.
+  const OPS = SPEC.ops;
+  const LOSSES = Object.fromEntries(SPEC.losses.map((op) => [op, { inputs: ["pred", "target"] }]));
 
   function fail(msg) { throw new Error(`invalid graph: ${msg}`); }
 
@@ -34,43 +31,78 @@
     }
   }
 
-  function checkNode(node, known, ops) {
-    checkName(node.name, "node");
-    if (!(node.op in ops)) fail(`unknown op ${node.op} in ${node.name}`);
+  // The server's rule (engine/graph.py): one input per slot, null only in an optional one ("?"); a variadic
+  // op ("*") takes one or more.
+  function checkInputs(node, spec, known) {
     if (!Array.isArray(node.inputs)) fail(`inputs of ${node.name} must be a list`);
-    const [lo, hi] = Array.isArray(ops[node.op]) ? ops[node.op] : [ops[node.op], ops[node.op]];
-    if (node.inputs.length < lo || node.inputs.length > hi) fail(`${node.name}: wrong number of inputs`);
-    for (const input of node.inputs) {
+    const slots = spec.inputs, variadic = slots[slots.length - 1].endsWith("*");
+    if (variadic ? node.inputs.length === 0 : node.inputs.length !== slots.length) {
+      fail(`${node.name}: op ${node.op} takes inputs [${slots}], got ${node.inputs.length}`);
+    }
+    node.inputs.forEach((input, i) => {
+      const slot = slots[Math.min(i, slots.length - 1)];
+      if (input === null && !slot.endsWith("?")) fail(`${node.name}: input ${slot} may not be null`);
       if (input !== null && !known.has(input)) fail(`${node.name} uses unknown ${JSON.stringify(input)}`);
-    }
-    if (node.attrs !== undefined && (typeof node.attrs !== "object" || node.attrs === null)) {
-      fail(`attrs of ${node.name} must be an object`);
-    }
+    });
   }
 
-  function validate(graph) {
-    if (!graph || graph.format !== "crowdtrain.graph" || graph.version !== 1) fail("not crowdtrain.graph v1");
-    checkSpecs(graph.inputs, "input", ["float32", "int64"]);
-    checkSpecs(graph.targets || [], "target", ["float32", "int64"]);
-    checkSpecs(graph.params, "param", ["float32"]);
-    checkSpecs(graph.buffers || [], "buffer", ["float32"]);
+  // The attrs with the spec's defaults filled in, as the server's loader does: the runtime reads every
+  // attr from the node and keeps no defaults of its own.
+  function withDefaults(node, spec) {
+    const attrs = node.attrs === undefined || node.attrs === null ? {} : node.attrs;
+    if (typeof attrs !== "object" || Array.isArray(attrs)) fail(`attrs of ${node.name} must be an object`);
+    const specs = spec.attrs || {};
+    const unknown = Object.keys(attrs).filter((key) => !Object.hasOwn(specs, key));
+    if (unknown.length) fail(`${node.name}: unknown attrs [${unknown}] for op ${node.op}`);
+    const out = {};
+    for (const [key, a] of Object.entries(specs)) {
+      if (Object.hasOwn(attrs, key)) out[key] = attrs[key];
+      else if (Object.hasOwn(a, "default")) out[key] = Array.isArray(a.default) ? [...a.default] : a.default;
+      else fail(`${node.name}: missing required attr ${key} for op ${node.op}`);
+    }
+    return out;
+  }
+
+  // A checked copy of the node, its attrs complete.
+  function checkNode(node, known, ops) {
+    checkName(node.name, "node");
+    if (typeof node.op !== "string" || !Object.hasOwn(ops, node.op)) fail(`unknown op ${node.op} in ${node.name}`);
+    checkInputs(node, ops[node.op], known);
+    return { ...node, attrs: withDefaults(node, ops[node.op]) };
+  }
+
+  function checkLimits(graph) {
     if (!Array.isArray(graph.nodes) || graph.nodes.length > LIMITS.nodes) fail("too many nodes");
     if (graph.params.length > LIMITS.params) fail("too many params");
     const elements = graph.params.reduce((n, p) => n + p.shape.reduce((a, b) => a * b, 1), 0);
     if (elements > LIMITS.paramElements) fail("too many parameter elements");
+  }
+
+  // Returns a copy whose nodes carry every attr (defaults filled in).
+  function validate(graph) {
+    if (!graph || graph.format !== SPEC.format || graph.version !== SPEC.version) {
+      fail(`not ${SPEC.format} v${SPEC.version}`);
+    }
+    checkSpecs(graph.inputs, "input", SPEC.dtypes.inputs);
+    checkSpecs(graph.targets || [], "target", SPEC.dtypes.targets);
+    checkSpecs(graph.params, "param", SPEC.dtypes.params);
+    checkSpecs(graph.buffers || [], "buffer", SPEC.dtypes.buffers);
+    checkLimits(graph);
     const known = new Set();
     for (const spec of [...graph.inputs, ...(graph.targets || []), ...graph.params, ...(graph.buffers || [])]) {
       if (known.has(spec.name)) fail(`duplicate name ${spec.name}`);
       known.add(spec.name);
     }
-    for (const node of graph.nodes) {
-      checkNode(node, known, OPS);
+    const nodes = graph.nodes.map((raw) => {
+      const node = checkNode(raw, known, OPS);
       if (known.has(node.name)) fail(`duplicate name ${node.name}`);
       known.add(node.name);
-    }
+      return node;
+    });
     if (!known.has(graph.output)) fail(`unknown output ${graph.output}`);
-    if (graph.loss) checkNode({ name: "loss", ...graph.loss }, known, LOSSES);
-    return graph;
+    if (!graph.loss) return { ...graph, nodes };
+    const { op, inputs, attrs } = checkNode({ name: "loss", ...graph.loss }, known, LOSSES);
+    return { ...graph, nodes, loss: { op, inputs, attrs } };
   }
 
   // Accepts JSON text, bytes or an already-parsed object.

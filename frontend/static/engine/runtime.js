@@ -1,7 +1,8 @@
 // Interpreter of crowdtrain.graph (docs/graph-format.md) over TensorFlow.js.
 // Values have PyTorch's layout (NCHW); TF.js convs are NHWC, so conv outputs stay NHWC through
 // layout-agnostic ops and are transposed back only where needed (see "channels-last execution").
-// Classic script: attaches to self.crowdtrain.runtime; needs the global `tf`.
+// Every node's attrs are complete (graph.js fills in engine/spec.json's defaults), so kernels read them
+// as they are. Classic script: attaches to self.crowdtrain.runtime; needs the global `tf`.
 (function (ns) {
   "use strict";
 
@@ -10,7 +11,6 @@
   // ---- small helpers ---------------------------------------------------------------------------
   const axis = (d, rank) => (d < 0 ? d + rank : d);
   const prod = (xs) => xs.reduce((a, b) => a * b, 1);
-  const attr = (a, key, fallback) => (a[key] === undefined || a[key] === null ? fallback : a[key]);
 
   function pair(v, fallback) {
     if (v === undefined || v === null || (Array.isArray(v) && v.length === 0)) v = fallback;
@@ -51,9 +51,9 @@
   // add. (tf.fused.conv2d would fold the bias in, but is slower under gradients in tfjs 4.22.)
   // x is NHWC, w is the graph's OIHW; returns NHWC.
   function convNHWC([x, w, b], a) {
-    const [ph, pw] = pair(a.padding, 0);
-    const [dh, dw] = pair(a.dilation, 1);
-    const groups = attr(a, "groups", 1), strides = pair(a.stride, 1);
+    const [ph, pw] = pair(a.padding);
+    const [dh, dw] = pair(a.dilation);
+    const groups = a.groups, strides = pair(a.stride);
     const pad = [[0, 0], [ph, ph], [pw, pw], [0, 0]];
     const f = dilateKernel(tf.transpose(w, [2, 3, 1, 0]), dh, dw); // OIHW -> HWIO
     const y = groupedConv(x, f, groups, strides, pad);
@@ -67,7 +67,7 @@
     return ([x], a) => {
       const k = pair(a.kernel_size);
       const s = pair(a.stride, k); // torch: stride defaults to kernel_size
-      const [ph, pw] = pair(a.padding, 0);
+      const [ph, pw] = pair(a.padding);
       // avg: torch counts the zero padding (count_include_pad=True); max: padding never wins.
       if (ph || pw) x = tf.pad(x, [[0, 0], [ph, ph], [pw, pw], [0, 0]], kind === "max" ? FLOAT32_LOWEST : 0);
       return kind === "max" ? tf.maxPool(x, k, s, "valid") : tf.avgPool(x, k, s, "valid");
@@ -109,7 +109,7 @@
   // ---- normalization ------------------------------------------------------------------------------
   // Channels on axis `channel`: 1 in the graph's layout, 3 for NHWC.
   function batchNormAt([x, w, b, runMean, runVar], a, ctx, channel) {
-    const eps = attr(a, "eps", 1e-5), momentum = attr(a, "momentum", 0.1);
+    const eps = a.eps, momentum = a.momentum;
     const axes = x.shape.map((_, i) => i).filter((i) => i !== channel);
     const shape = x.shape.map((d, i) => (i === channel ? d : 1));
     let mean = runMean, variance = runVar;
@@ -135,10 +135,10 @@
   const batchNorm = (args, a, ctx) => batchNormAt(args, a, ctx, 1);
 
   function layerNorm([x, w, b], a) {
-    const count = attr(a, "normalized_shape", [x.shape[x.rank - 1]]).length;
+    const count = a.normalized_shape.length;
     const axes = x.shape.map((_, i) => i).slice(x.rank - count);
     const { mean, variance } = tf.moments(x, axes, true);
-    let y = tf.mul(tf.sub(x, mean), tf.rsqrt(tf.add(variance, attr(a, "eps", 1e-5))));
+    let y = tf.mul(tf.sub(x, mean), tf.rsqrt(tf.add(variance, a.eps)));
     if (w) y = tf.mul(y, w);
     if (b) y = tf.add(y, b);
     return y;
@@ -146,7 +146,7 @@
 
   // ---- shape ops ----------------------------------------------------------------------------------
   function flatten([x], a) {
-    const start = axis(attr(a, "start_dim", 1), x.rank), end = axis(attr(a, "end_dim", -1), x.rank);
+    const start = axis(a.start_dim, x.rank), end = axis(a.end_dim, x.rank);
     const s = x.shape;
     return x.reshape([...s.slice(0, start), prod(s.slice(start, end + 1)), ...s.slice(end + 1)]);
   }
@@ -201,7 +201,7 @@
   }
 
   function gelu([x], a) {
-    if (attr(a, "approximate", "none") === "tanh") {
+    if (a.approximate === "tanh") {
       const inner = tf.mul(tf.add(x, tf.mul(tf.pow(x, 3), 0.044715)), Math.sqrt(2 / Math.PI));
       return tf.mul(tf.mul(x, 0.5), tf.add(tf.tanh(inner), 1));
     }
@@ -217,7 +217,7 @@
   function attention([q, k, v], a) {
     const e = q.shape[q.rank - 1], l = q.shape[q.rank - 2], s = k.shape[k.rank - 2];
     let scores = tf.mul(matmul([q, tf.transpose(k, transposeLast(k.rank))]), 1 / Math.sqrt(e));
-    if (attr(a, "is_causal", false)) scores = tf.add(scores, causalMask(l, s));
+    if (a.is_causal) scores = tf.add(scores, causalMask(l, s));
     return matmul([tf.softmax(scores), v]);
   }
 
@@ -232,7 +232,7 @@
     return flat.reshape([...ids.shape, w.shape[1]]);
   }
 
-  // ---- op table -----------------------------------------------------------------------------------
+  // ---- op table: one kernel per op of engine/spec.json (tests/js/shared_facts.test.mjs) ---------------
   const OPS = {
     linear: ([x, w, b]) => { // plain matMul + add: tf.fused.matMul is slower under gradients (tfjs 4.22)
       let y = tf.matMul(x.reshape([-1, w.shape[1]]), w, false, true);
@@ -247,9 +247,9 @@
     tanh: ([x]) => tf.tanh(x),
     sigmoid: ([x]) => tf.sigmoid(x),
     gelu,
-    softmax: ([x], a) => softmax(x, attr(a, "dim", -1)),
-    log_softmax: ([x], a) => logSoftmax(x, attr(a, "dim", -1)),
-    dropout: ([x], a, ctx) => (ctx.training && attr(a, "p", 0.5) > 0 ? tf.dropout(x, attr(a, "p", 0.5)) : x),
+    softmax: ([x], a) => softmax(x, a.dim),
+    log_softmax: ([x], a) => logSoftmax(x, a.dim),
+    dropout: ([x], a, ctx) => (ctx.training && a.p > 0 ? tf.dropout(x, a.p) : x),
     max_pool2d: pool2d("max"),
     avg_pool2d: pool2d("avg"),
     adaptive_avg_pool2d: adaptiveAvgPool2d,
@@ -263,7 +263,7 @@
     div: ([p, q]) => tf.div(p, q),
     scale: ([x], a) => tf.mul(x, a.factor),
     matmul,
-    concat: (xs, a) => tf.concat(xs, axis(attr(a, "dim", 0), xs[0].rank)),
+    concat: (xs, a) => tf.concat(xs, axis(a.dim, xs[0].rank)),
     split,
     scaled_dot_product_attention: attention,
     arange_embedding: ([x, w]) => tf.slice(w, [0, 0], [x.shape[1], -1]),

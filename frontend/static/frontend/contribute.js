@@ -7,17 +7,19 @@
 
   const app = document.getElementById("contribute-app");
   if (!app) return;
+  const PROTOCOL = self.crowdtrain.spec.protocol; // spec.js: engine/spec.json, the server's own constants
   const $ = (id) => document.getElementById(id);
   const WORKER_URL = app.dataset.workerUrl || "/static/frontend/worker.js";
   const SOCKET_PATH = app.dataset.socketPath || "/ws/volunteer/";
   const SOCKET_URL = app.dataset.socketUrl; // optional absolute ws(s):// URL (separate WebSocket host)
   const BACKOFF_MS = [1000, 2000, 5000, 10000, 30000];
-  const THROTTLED = 4429; // close code: too many connects in the last minute (docs/protocol.md)
+  const THROTTLED = PROTOCOL.close_codes.throttled; // too many connects in the last minute (docs/protocol.md)
   const THROTTLED_MS = 60000;
   const BUSY_RETRY_MS = 5000; // a result refused with `busy` is sent again after this (jittered)
   const DEVICE_ID_KEY = "crowdtrain-device-id";
   const LOG_LINES = 60;
-  const MAX_IN_FLIGHT = 2;
+  const MAX_IN_FLIGHT = PROTOCOL.max_in_flight;
+  const DEVICE_ID_RE = new RegExp(PROTOCOL.device_id_pattern);
   const SHARE_REFRESH_MS = 5000;
   const FLOP_UNITS = ["FLOP", "kFLOP", "MFLOP", "GFLOP", "TFLOP", "PFLOP", "EFLOP", "ZFLOP", "YFLOP"];
 
@@ -115,7 +117,7 @@
   function deviceId() {
     try {
       let id = localStorage.getItem(DEVICE_ID_KEY);
-      if (!/^[A-Za-z0-9_-]{8,64}$/.test(id || "")) {
+      if (!DEVICE_ID_RE.test(id || "")) {
         id = newDeviceId();
         localStorage.setItem(DEVICE_ID_KEY, id);
       }
@@ -147,7 +149,7 @@
       s.retries = 0;
       s.asking = false; // a new connection owes us nothing
       s.unacked.clear();
-      send({ type: "hello", protocol: 1, device: s.device });
+      send({ type: "hello", protocol: PROTOCOL.version, device: s.device });
       flushOutbox();
       askForWork();
       setStatus("Connected, asking for work…", "waiting");

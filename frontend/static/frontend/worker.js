@@ -18,7 +18,8 @@ importScripts(`${VENDOR}tf.min.js`);
 for (const script of ["tf-backend-wasm.min.js", "tf-backend-webgpu.min.js"]) {
   try { importScripts(VENDOR + script); } catch (err) { console.warn(`could not load ${script}`, err); }
 }
-importScripts(`${ENGINE}codecs.js`, `${ENGINE}graph.js`, `${ENGINE}runtime.js`, `${ENGINE}optim.js`, `${ENGINE}train.js`);
+importScripts(`${ENGINE}spec.js`, `${ENGINE}codecs.js`, `${ENGINE}graph.js`, `${ENGINE}runtime.js`, `${ENGINE}optim.js`,
+  `${ENGINE}train.js`);
 
 const ct = self.crowdtrain;
 const CACHE_BUDGET_BYTES = 768 * 1024 * 1024; // decoded graphs/weights/shards kept by URL

@@ -129,8 +129,9 @@ class Command(BaseCommand):
         module = instantiate(cls)
         bar.update()
         bar.set_postfix_str("tracing")
-        exported = export(module, options["input_shape"], options["input_dtype"], options["loss"],
-                          cls.__name__)
+        exported = export(
+            module, options["input_shape"], options["input_dtype"], options["loss"], cls.__name__
+        )
         bar.update()
         return exported
 
@@ -152,8 +153,11 @@ class Command(BaseCommand):
         try:
             with transaction.atomic():
                 project = project_create_from_graph(
-                    owner=find_owner(options["owner"]), name=name,
-                    dataset=find_dataset(options["dataset_id"]), graph_dict=graph, weights=weights,
+                    owner=find_owner(options["owner"]),
+                    name=name,
+                    dataset=find_dataset(options["dataset_id"]),
+                    graph_dict=graph,
+                    weights=weights,
                 )
         except ProjectError as exc:  # e.g. the model's input shape does not match the dataset's
             raise CommandError(str(exc)) from exc

@@ -108,7 +108,7 @@
     return typeof m.numBytesInGPU === "number" ? m.numBytesInGPU : m.numBytes;
   }
 
-  // `steps` SGD/Adam steps; returns the tensor count and device bytes after every step and the final params.
+  // `steps` optimizer steps; returns the tensor count and device bytes after every step and the final params.
   async function trainSteps(graphJson, weightsB64, batchB64, steps, optimizer, options) {
     const graph = ct.graph.load(graphJson);
     const model = ct.runtime.createModel(graph, ct.codecs.decode(fromB64(weightsB64)));

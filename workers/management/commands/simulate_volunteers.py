@@ -17,21 +17,47 @@ from tqdm import tqdm
 
 from workers.simulator import BYZANTINE, Simulator, SimulatorConfig, SimulatorStats
 
-COLUMNS = ("username", "work_units", "valid", "invalid", "late", "unanswered", "dropped", "reconnects",
-           "credit_flops", "bytes_sent", "bytes_received", "compute_seconds", "wall_seconds", "compute_share")
+COLUMNS = (
+    "username",
+    "work_units",
+    "valid",
+    "invalid",
+    "late",
+    "unanswered",
+    "dropped",
+    "reconnects",
+    "credit_flops",
+    "bytes_sent",
+    "bytes_received",
+    "compute_seconds",
+    "wall_seconds",
+    "compute_share",
+)
 
 
 def configs(options: dict[str, Any]) -> list[SimulatorConfig]:
     """sim-0001 .. sim-NNNN; the first byzantine_fraction of them misbehave."""
     count = options["count"]
     byzantine = round(count * options["byzantine_fraction"]) if options["byzantine"] != "none" else 0
-    return [SimulatorConfig(
-        url=options["url"], username=f"sim-{i + 1:04d}", password=options["password"], signup=True,
-        gflops=options["gflops"], bandwidth_mbit=options["bandwidth_mbit"], latency_ms=options["latency_ms"],
-        failure_probability=options["failure_probability"], max_work_units=options["work_units"],
-        duration_s=options["duration"], byzantine=options["byzantine"] if i < byzantine else "none",
-        prefetch=options["prefetch"], verdict_timeout_s=options["verdict_timeout"], seed=i,
-    ) for i in range(count)]
+    return [
+        SimulatorConfig(
+            url=options["url"],
+            username=f"sim-{i + 1:04d}",
+            password=options["password"],
+            signup=True,
+            gflops=options["gflops"],
+            bandwidth_mbit=options["bandwidth_mbit"],
+            latency_ms=options["latency_ms"],
+            failure_probability=options["failure_probability"],
+            max_work_units=options["work_units"],
+            duration_s=options["duration"],
+            byzantine=options["byzantine"] if i < byzantine else "none",
+            prefetch=options["prefetch"],
+            verdict_timeout_s=options["verdict_timeout"],
+            seed=i,
+        )
+        for i in range(count)
+    ]
 
 
 def format_table(rows: list[SimulatorStats]) -> str:
@@ -73,8 +99,12 @@ class Command(BaseCommand):
         parser.add_argument("--work-units", type=int, help="Per volunteer.")
         parser.add_argument("--duration", type=float, help="Seconds.")
         parser.add_argument("--prefetch", action="store_true", help="Ask for the next unit while computing.")
-        parser.add_argument("--verdict-timeout", type=float, default=30.0,
-                            help="Seconds to wait at the end for verdicts still being validated.")
+        parser.add_argument(
+            "--verdict-timeout",
+            type=float,
+            default=30.0,
+            help="Seconds to wait at the end for verdicts still being validated.",
+        )
 
     def handle(self, *args: Any, **options: Any) -> None:
         if options["work_units"] is None and options["duration"] is None:

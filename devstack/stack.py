@@ -10,12 +10,13 @@ import time
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Self
 
 import psycopg
 
 from crowdtrain.management.commands.runplatform import validator_args, worker_args
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[1]
 PYTHON = sys.executable
 
 
@@ -42,6 +43,7 @@ class Stack:
     database_url: str = ""
     seed_args: tuple[str, ...] = ("--no-fashion",)
     extra_env: dict[str, str] = field(default_factory=dict)
+    round_timeout: int | None = None  # seconds, for every seeded project (None: the demo's own)
     processes: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
 
     @property
@@ -74,7 +76,22 @@ class Stack:
         self.manage("migrate", "--verbosity", "0")
         self.manage("ensure_admin")
         self.manage("seed_demo", *self.seed_args)
+        if self.round_timeout is not None:
+            with psycopg.connect(self.database_url) as conn:
+                conn.execute("UPDATE projects_project SET round_timeout = %s", (self.round_timeout,))
         self.spawn_processes()
+
+    def __enter__(self) -> Self:
+        """Started, and stopped again whatever happens (a start that fails half-way included)."""
+        try:
+            self.start()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop()
 
     def spawn_processes(self) -> None:
         """daphne, the Celery workers and beat, each its own process, as in production."""

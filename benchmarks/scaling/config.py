@@ -1,0 +1,106 @@
+"""What the scaling benchmark runs: its constants, its two methods and the options of one invocation."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[2]
+RESULTS = ROOT / "benchmarks" / "results"
+ADMIN_URL = os.environ.get("E2E_ADMIN_DATABASE_URL", "postgresql://postgres@127.0.0.1:5432/postgres")
+DATABASE_PREFIX = "crowdtrain_h10"  # databases <prefix>_template and <prefix>_<method>_<n>
+REDIS_DB = 2
+BANDWIDTH_MBIT = 100.0
+LATENCY_MS = 20.0
+SHARD_SAMPLES = 6000  # 10 training shards; 3,000-sample work units fit evenly
+UNITS_PER_ROUND = 16
+LOCAL_MINIBATCH = 64
+PASSWORD = "h10-scaling-volunteer-pass"
+GOAL_SPEEDUP, GOAL_BYTES = 10.0, 0.02
+
+
+@dataclass(frozen=True)
+class Method:
+    label: str
+    work_unit: int  # batch_size: samples per work unit; a round is UNITS_PER_ROUND of them
+    settings: dict[str, Any]  # project columns
+    why: str
+
+
+METHODS: dict[str, Method] = {
+    "sync": Method(
+        "fp32 sync_sgd (gradients every step)",
+        64,
+        {"mode": "sync_sgd", "codec": "fp32", "weights_codec": "fp32", "learning_rate": 0.2, "momentum": 0.9},
+        "a step = 16 gradients of 64 samples (batch 1,024), server SGD lr 0.2 momentum 0.9 (offline: 118 "
+        "steps to 84%; lr 0.1 and 0.4 took 139 and 149); weights down and gradients up in fp32",
+    ),
+    "avg": Method(
+        "int8 averaging (local steps, int8 both ways)",
+        3000,
+        {
+            "mode": "averaging",
+            "codec": "int8",
+            "weights_codec": "int8",
+            "learning_rate": 1.0,
+            "momentum": 0.9,
+            "local_learning_rate": 0.05,
+            "local_momentum": 0.9,
+            "local_batch_size": LOCAL_MINIBATCH,
+        },
+        "a round = 16 work units of 3,000 samples (48,000, 0.8 epoch), each 47 local SGD steps of 64 "
+        "(lr 0.05, momentum 0.9) in the volunteer; outer Nesterov lr 1.0 momentum 0.9 on the sample-weighted "
+        "mean delta (offline: 6 rounds to 84%, 7-8 with outer lr 0.7); updates int8 with error feedback, "
+        "weights int8",
+    ),
+}
+
+
+def round_columns(method: Method) -> dict[str, Any]:
+    """The benchmark project's columns for `method` (recorded with every run)."""
+    return {
+        "batch_size": method.work_unit,
+        "round_samples": method.work_unit * UNITS_PER_ROUND,
+        "round_timeout": 120,
+        "target_seconds": 600,  # every work unit is batch_size: same-speed devices, no splitting
+        **method.settings,
+    }
+
+
+@dataclass(frozen=True)
+class Options:
+    """One invocation, from the command line."""
+
+    quick: bool
+    volunteers: list[int]
+    methods: list[str]
+    target: float
+    gflops: float | None  # None: calibrated
+    timeout: float | None  # None: from the emulated speed
+    output: Path | None  # None: benchmarks/results/scaling.json
+    database_prefix: str = DATABASE_PREFIX
+    redis_db: int = REDIS_DB
+
+    @property
+    def results(self) -> Path:
+        return self.output or RESULTS / "scaling.json"
+
+    @property
+    def partial(self) -> Path:
+        """Rows written after every run, so that a crash late in the series loses nothing."""
+        return Path(f"{self.output}.partial") if self.output else RESULTS / "scaling.partial.json"
+
+    @property
+    def template_database(self) -> str:
+        return f"{self.database_prefix}_template"
+
+    def database(self, method: str, volunteers: int) -> str:
+        return f"{self.database_prefix}_{method}_{volunteers}"
+
+    @property
+    def var_dir(self) -> Path:
+        """Shared by all runs (blobs are content-addressed and immutable, logs are per run)."""
+        return Path(tempfile.gettempdir()) / f"{self.database_prefix.replace('_', '-')}-scaling"

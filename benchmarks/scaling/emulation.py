@@ -1,0 +1,187 @@
+"""The emulated volunteers: how fast a device is (calibrated on this machine) and what each one did.
+
+Each volunteer computes its update for real but does not answer before samples x FLOPs-per-sample / gflops
+(workers/simulator.py's emulation); its `on_compute` hook records both times, so that every work unit whose
+real compute took longer than its emulated time can be counted and flagged.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import os
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from engine.flops import train_flops_per_sample
+from engine.graph import Graph, load_graph
+from engine.runtime import compute_gradients, local_steps
+from workers.simulator import Simulator, SimulatorConfig, Unit
+
+from .config import LOCAL_MINIBATCH, UNITS_PER_ROUND
+
+Tensors = dict[str, torch.Tensor]
+
+
+# --- device speed ------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Emulation:
+    gflops: float  # per volunteer
+    timeout: float  # seconds per run before giving up
+    calibration: dict[str, float]
+
+
+def emulated_gflops(capacity: float) -> float:
+    """Per volunteer: UNITS_PER_ROUND of them use half of the machine's measured `capacity`, 2 digits."""
+    return float(f"{capacity / (2 * UNITS_PER_ROUND):.2g}")
+
+
+def capacity(calibration: dict[str, float]) -> float:
+    """The machine's real throughput for the slower of the two kinds of work unit."""
+    return min(calibration["gradient_64_gflops_total"], calibration["local_steps_3000_gflops_total"])
+
+
+def emulation(
+    calibration: dict[str, float], gflops: float | None, timeout: float | None, quick: bool
+) -> Emulation:
+    """The device speed and run timeout: as given, or from the calibration."""
+    gflops = gflops or emulated_gflops(capacity(calibration))
+    # The runs' length scales with the emulated device time (600 s was plenty at 0.5 GFLOP/s).
+    timeout = timeout or (240.0 if quick else 600.0) * max(1.0, 0.5 / gflops)
+    return Emulation(gflops, timeout, calibration)
+
+
+def _mlp_graph() -> tuple[Graph, Tensors]:
+    from engine.presets import export_preset
+
+    graph, weights = export_preset("mlp")
+    return load_graph(json.dumps(graph).encode()), weights
+
+
+def calibrate(concurrency: int, seconds: float = 4.0) -> dict[str, float]:
+    """Real throughput (server FLOP count) of `concurrency` volunteers computing at once, as the
+    simulator does it (threads in one process): for a 64-sample gradient and a 3,000-sample local pass."""
+    graph, weights = _mlp_graph()
+    fps = train_flops_per_sample(graph)
+    x, y = torch.rand(3000, 784), torch.randint(0, 10, (3000,))
+    inp, tgt = graph.inputs[0].name, graph.targets[0].name
+
+    def gradient() -> int:
+        compute_gradients(graph, weights, {inp: x[:64]}, {tgt: y[:64]})
+        return 64
+
+    def local() -> int:
+        local_steps(graph, weights, {inp: x}, {tgt: y}, batch_size=LOCAL_MINIBATCH, lr=0.05, momentum=0.9)
+        return 3000
+
+    out: dict[str, float] = {
+        "flops_per_sample": fps,
+        "concurrency": concurrency,
+        "load_average_1m": os.getloadavg()[0],
+    }
+    for name, fn in (("gradient_64", gradient), ("local_steps_3000", local)):
+        samples_per_second = _throughput(fn, concurrency, seconds)
+        out[f"{name}_gflops_total"] = round(samples_per_second * fps / 1e9, 2)
+    return out
+
+
+def _throughput(fn: Callable[[], int], concurrency: int, seconds: float) -> float:
+    """Samples per second of `fn` (returning its samples) run in `concurrency` threads for `seconds`."""
+    stop = time.monotonic() + seconds
+
+    def loop(_: int) -> int:
+        done = 0
+        while time.monotonic() < stop:
+            done += fn()
+        return done
+
+    started = time.monotonic()
+    with concurrent.futures.ThreadPoolExecutor(concurrency) as pool:
+        samples = sum(pool.map(loop, range(concurrency)))
+    return samples / (time.monotonic() - started)
+
+
+def warm_up(graph: Graph, x: torch.Tensor, y: torch.Tensor) -> None:
+    """One untimed gradient and local pass in this process (first calls pay for allocator/thread pool set-up,
+    which a browser pays once too), so the first work unit is not mistaken for slow emulation."""
+    gen = torch.Generator().manual_seed(0)
+    weights = {p.name: torch.randn(tuple(p.shape), generator=gen) * 0.01 for p in graph.params}
+    inp, tgt = {graph.inputs[0].name: x[:256]}, {graph.targets[0].name: y[:256]}
+    compute_gradients(graph, weights, inp, tgt)
+    local_steps(graph, weights, inp, tgt, batch_size=64, lr=0.01, momentum=0.9)
+
+
+# --- what each volunteer did -------------------------------------------------------------------------
+
+
+@dataclass
+class UnitTiming:
+    samples: int
+    real_s: float  # wall time of the real computation (thread queue included), as the simulator measures it
+    emulated_s: float
+
+
+@dataclass
+class Tally:
+    weights_bytes: int = 0
+    graph_bytes: int = 0
+    units: list[UnitTiming] = field(default_factory=list)
+
+
+class CountingSimulator(Simulator):
+    """The simulator, with its downloads sorted by kind (weights vs graph) for the byte accounting and
+    the real and emulated time of every work unit it computed."""
+
+    def __init__(self, config: SimulatorConfig, graph_url: str) -> None:
+        super().__init__(config, on_compute=self._computed)
+        self.tally, self.graph_url = Tally(), graph_url
+
+    def _computed(self, unit: Unit, real_s: float, emulated_s: float) -> None:
+        self.tally.units.append(UnitTiming(unit.samples, real_s, emulated_s))
+
+    async def download(self, url: str) -> bytes:
+        cached = self.cache.get(url) is not None
+        data = await super().download(url)
+        if not cached:
+            if url.endswith(self.graph_url):
+                self.tally.graph_bytes += len(data)
+            else:
+                self.tally.weights_bytes += len(data)
+        return data
+
+
+def totals(sims: list[CountingSimulator]) -> dict[str, int]:
+    """Traffic and work of all volunteers so far."""
+    return {
+        "bytes_sent": sum(s.stats.bytes_sent for s in sims),
+        "bytes_received": sum(s.stats.bytes_received for s in sims),
+        "weights_bytes": sum(s.tally.weights_bytes for s in sims),
+        "graph_bytes": sum(s.tally.graph_bytes for s in sims),
+        "work_units": sum(s.stats.work_units for s in sims),
+        "samples_computed": sum(u.samples for s in sims for u in s.tally.units),
+    }
+
+
+def unit_timings(sims: list[CountingSimulator]) -> dict[str, Any]:
+    """How the real compute compared with the emulated device time, over every work unit."""
+    units = [u for s in sims for u in s.tally.units]
+    return {
+        "work_units_all": len(units),
+        "compute_real_over_emulated": sum(1 for u in units if u.real_s > u.emulated_s),
+        "compute_real_over_emulated_max_ratio": round(
+            max((u.real_s / u.emulated_s for u in units), default=0.0), 3
+        ),
+        "compute_real_median_s": _median([u.real_s for u in units]),
+        "compute_emulated_median_s": _median([u.emulated_s for u in units]),
+    }
+
+
+def _median(values: list[float]) -> float | None:
+    return round(statistics.median(values), 4) if values else None

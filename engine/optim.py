@@ -1,0 +1,53 @@
+"""Server-side optimizer steps, the twin of frontend/static/engine/optim.js (same torch.optim rules).
+
+Parameters, gradients and optimizer states are flat ``dict[str, Tensor]`` so they can be stored with
+engine.codecs. State keys are ``"<kind>:<param name>"`` (kind has no ':', so the first ':' splits
+unambiguously even though param names may contain ':'). All functions are pure: inputs are never modified.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from torch import Tensor
+
+Tensors = Mapping[str, Tensor]
+
+
+def sgd_step(
+    params: Tensors,
+    grads: Tensors,
+    state: Tensors,
+    lr: float,
+    momentum: float = 0.0,
+    weight_decay: float = 0.0,
+    nesterov: bool = False,
+    dampening: float = 0.0,
+) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
+    """One step of torch.optim.SGD (same formulas, same order of operations).
+
+    State: ``"momentum_buffer:<name>"``; a missing buffer starts as the first gradient, like torch.
+    """
+    new_params, new_state = dict(params), dict(state)
+    for name, grad in grads.items():
+        p = params[name]
+        d_p = grad.add(p, alpha=weight_decay) if weight_decay else grad.clone()
+        if momentum:
+            key = f"momentum_buffer:{name}"
+            buf = state.get(key)
+            buf = d_p.clone() if buf is None else buf.mul(momentum).add_(d_p, alpha=1 - dampening)
+            new_state[key] = buf
+            d_p = d_p.add(buf, alpha=momentum) if nesterov else buf
+        new_params[name] = p.add(d_p, alpha=-lr)
+    return new_params, new_state
+
+
+def outer_nesterov_step(
+    params: Tensors, deltas: Tensors, state: Tensors, lr: float = 0.7, momentum: float = 0.9
+) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
+    """DiLoCo outer step: SGD with Nesterov momentum on the averaged pseudo-gradient.
+
+    ``deltas`` are averaged ``params_before_round - params_after_local_training``; with lr=1 and
+    momentum=0 this is plain model averaging.
+    """
+    return sgd_step(params, deltas, state, lr, momentum=momentum, nesterov=momentum > 0)

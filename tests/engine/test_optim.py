@@ -1,0 +1,85 @@
+"""Server optimizer steps, checked against torch.optim."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from engine.aggregate import weighted_mean
+from engine.optim import outer_nesterov_step, sgd_step
+
+
+def _updates(n: int, seed: int = 0) -> list[dict[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    return [{"w": torch.randn(3, 4, generator=g), "b": torch.randn(4, generator=g)} for _ in range(n)]
+
+
+def _reference(
+    opt_cls: type[torch.optim.Optimizer], steps: int, **kw: Any
+) -> tuple[list[dict[str, torch.Tensor]], dict[str, torch.Tensor]]:
+    """Grads used and final params of a real torch optimizer run."""
+    start = _updates(1, seed=42)[0]
+    params = {k: torch.nn.Parameter(v.clone()) for k, v in start.items()}
+    opt = opt_cls(list(params.values()), **kw)
+    grads = []
+    for i in range(steps):
+        g = _updates(1, seed=i)[0]
+        grads.append(g)
+        for k, p in params.items():
+            p.grad = g[k].clone()
+        opt.step()
+    return grads, {k: p.detach() for k, p in params.items()}
+
+
+SGD_CONFIGS = [
+    {"lr": 0.1},
+    {"lr": 0.1, "momentum": 0.9},
+    {"lr": 0.05, "momentum": 0.9, "nesterov": True, "weight_decay": 0.01},
+    {"lr": 0.05, "momentum": 0.8, "dampening": 0.3, "weight_decay": 0.1},
+]
+
+
+@pytest.mark.parametrize("config", SGD_CONFIGS)
+def test_sgd_step_matches_torch(config: dict[str, float]) -> None:
+    grads, expected = _reference(torch.optim.SGD, 4, **config)
+    params, state = dict(_updates(1, seed=42)[0]), dict[str, torch.Tensor]()
+    for g in grads:
+        params, state = sgd_step(params, g, state, **config)  # type: ignore[arg-type]
+    for k in expected:
+        torch.testing.assert_close(params[k], expected[k], atol=1e-6, rtol=1e-6)
+    if config.get("momentum"):
+        assert set(state) == {"momentum_buffer:w", "momentum_buffer:b"}
+
+
+@pytest.mark.parametrize("config", SGD_CONFIGS)
+def test_sgd_step_does_not_mutate_its_inputs(config: dict[str, float]) -> None:
+    params, grads = _updates(1, seed=1)[0], _updates(1, seed=2)[0]
+    _, state = sgd_step(params, grads, {}, **config)  # type: ignore[arg-type]
+    frozen = [{k: v.clone() for k, v in d.items()} for d in (params, grads, state)]
+    sgd_step(params, grads, state, **config)  # type: ignore[arg-type]
+    for before, after in zip(frozen, (params, grads, state), strict=True):
+        assert all(torch.equal(before[k], after[k]) for k in before)
+
+
+def test_outer_nesterov_step() -> None:
+    before = _updates(1, seed=3)[0]
+    locals_ = [{k: v - 0.1 * d[k] for k, v in before.items()} for d in _updates(4, seed=4)]
+    avg = weighted_mean(locals_, [1.0] * 4)
+    deltas = {k: before[k] - avg[k] for k in before}
+    # lr 1 without momentum is plain model averaging.
+    plain, _ = outer_nesterov_step(before, deltas, {}, lr=1.0, momentum=0.0)
+    for k in before:
+        torch.testing.assert_close(plain[k], avg[k])
+    # Otherwise it is torch's SGD with Nesterov momentum on the pseudo-gradient.
+    params = {k: torch.nn.Parameter(v.clone()) for k, v in before.items()}
+    opt = torch.optim.SGD(list(params.values()), lr=0.7, momentum=0.9, nesterov=True)
+    ours, state = dict(before), dict[str, torch.Tensor]()
+    for _ in range(3):
+        for k, p in params.items():
+            p.grad = deltas[k].clone()
+        opt.step()
+        ours, state = outer_nesterov_step(ours, deltas, state, lr=0.7, momentum=0.9)
+    for k in before:
+        torch.testing.assert_close(ours[k], params[k].detach())
