@@ -169,6 +169,11 @@ CROWDTRAIN = {
     "MAX_DATASET_ARRAY_BYTES": int(os.environ.get("CROWDTRAIN_MAX_DATASET_ARRAY_BYTES", 2**30)),
     # Uncompressed over compressed size of an .npz beyond 32 MiB of arrays (zip bombs reach 1000).
     "MAX_DATASET_COMPRESSION_RATIO": int(os.environ.get("CROWDTRAIN_MAX_DATASET_COMPRESSION_RATIO", 100)),
+    # Image-folder zips: images per dataset, pixels per image (from its header, before decoding: image
+    # bombs) and bytes per image file.
+    "MAX_DATASET_IMAGES": int(os.environ.get("CROWDTRAIN_MAX_DATASET_IMAGES", 100_000)),
+    "MAX_IMAGE_PIXELS": int(os.environ.get("CROWDTRAIN_MAX_IMAGE_PIXELS", 4096 * 4096)),
+    "MAX_IMAGE_BYTES": int(os.environ.get("CROWDTRAIN_MAX_IMAGE_BYTES", 32 * 2**20)),
     # JSON header of an uploaded weights.safetensors (real ones hold a few KB).
     "MAX_TENSOR_HEADER_BYTES": int(os.environ.get("CROWDTRAIN_MAX_TENSOR_HEADER_BYTES", 16 * 2**20)),
     "MAX_RESULT_BYTES": int(os.environ.get("CROWDTRAIN_MAX_RESULT_BYTES", 128 * 2**20)),

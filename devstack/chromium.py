@@ -9,4 +9,6 @@ CHROMIUM_ARGS = (
     "--disable-component-update",
     "--disable-sync",
     "--no-first-run",
+    # WebGPU (SwiftShader's adapter here) for the tests of TF.js's webgpu backend; pages pick WebGL first.
+    "--enable-unsafe-webgpu",
 )

@@ -48,6 +48,10 @@ def _node_flops(node: Node, shapes: dict[str, Shape], needs_grad: Sequence[bool]
         # grad of the weight is conv(input^T, grad_out^T): full input channels even with groups.
         grad_w = 2 * out[0] * out[1] * out[2] * out[3] * s[0][1] * s[1][2] * s[1][3]
         return fwd, fwd * needs_grad[0] + grad_w * needs_grad[1]
+    if node.op == "conv_transpose2d":
+        # Every input pixel meets the whole kernel; each gradient is a convolution of the same size.
+        fwd = 2 * s[0][0] * s[0][2] * s[0][3] * math.prod(s[1])
+        return fwd, fwd * (needs_grad[0] + needs_grad[1])
     if node.op == "scaled_dot_product_attention":
         return _attention_flops(s[0], s[1], s[2], needs_grad)
     return 0, 0

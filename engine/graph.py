@@ -66,7 +66,7 @@ class OpSpec:
 
 
 # What _norm_attr knows how to check.
-ATTR_KINDS = ("int", "float", "bool", "str", "ints", "pair", "pair_or_none")
+ATTR_KINDS = ("int", "int_or_none", "float", "bool", "str", "ints", "pair", "pair_or_none")
 
 
 def _attr(raw: Mapping[str, Any]) -> Attr:
@@ -81,6 +81,8 @@ def _op_spec(raw: Mapping[str, Any]) -> OpSpec:
 
 # The op table of engine/spec.json, which the browsers' graph.js reads too.
 OP_SPECS: dict[str, OpSpec] = {op: _op_spec(raw) for op, raw in GRAPH_SPEC["ops"].items()}
+# Losses take inputs and attrs like ops: [prediction, target, optional extras]; attrs get their defaults.
+LOSS_SPECS: dict[str, OpSpec] = {op: _op_spec(raw) for op, raw in GRAPH_SPEC["losses"].items()}
 
 
 @dataclass(frozen=True)
@@ -107,8 +109,12 @@ class Node:
 @dataclass(frozen=True)
 class Loss:
     op: str
-    inputs: tuple[str, str]
+    inputs: tuple[str, ...]  # prediction (the output), target, then an optional class-weight buffer
     attrs: Mapping[str, Any] = field(default_factory=dict)
+
+    @property
+    def weight(self) -> str | None:
+        return self.inputs[2] if len(self.inputs) > 2 else None
 
     def to_dict(self) -> dict[str, Any]:
         return {"op": self.op, "inputs": list(self.inputs), "attrs": dict(self.attrs)}
@@ -141,6 +147,12 @@ class Graph:
 
     def param_count(self) -> int:
         return sum(math.prod(p.shape) for p in self.params)
+
+    def trained_buffers(self) -> list[str]:
+        """Buffers an op updates while training (batch norm's running stats), in graph order. The others
+        (class weights, frozen parameters) are constants: nothing a volunteer reports may change them."""
+        names = [n.inputs[i] for n in self.nodes if n.op == "batch_norm" for i in (3, 4)]
+        return list(dict.fromkeys(name for name in names if name is not None))
 
 
 def graph_to_json(graph: Graph) -> bytes:
@@ -206,7 +218,7 @@ def _parse_specs(
 
 def _norm_attr(spec: Attr, value: Any, where: str) -> Any:
     kind = spec.kind
-    if kind == "pair_or_none" and value is None:
+    if kind in ("pair_or_none", "int_or_none") and value is None:
         return None
     if kind in ("pair", "pair_or_none"):
         if _is_int(value):
@@ -218,7 +230,7 @@ def _norm_attr(spec: Attr, value: Any, where: str) -> Any:
         if not (isinstance(value, list) and all(_is_int(v) for v in value)):
             raise _fail(f"{where}: expected a list of ints, got {value!r}")
         return list(value)
-    if kind == "int" and _is_int(value):
+    if kind in ("int", "int_or_none") and _is_int(value):
         return value
     if kind == "float" and (_is_int(value) or isinstance(value, float)) and math.isfinite(value):
         return float(value)
@@ -232,12 +244,12 @@ def _norm_attr(spec: Attr, value: Any, where: str) -> Any:
     )
 
 
-def _parse_attrs(op: str, raw: Any, where: str) -> dict[str, Any]:
+def _parse_attrs(op: str, raw: Any, where: str, table: Mapping[str, OpSpec] = OP_SPECS) -> dict[str, Any]:
     if raw is None:
         raw = {}
     if not isinstance(raw, dict):
         raise _fail(f"{where}: attrs must be an object")
-    specs = OP_SPECS[op].attrs
+    specs = table[op].attrs
     unknown = sorted(set(raw) - set(specs))
     if unknown:
         raise _fail(f"{where}: unknown attrs {unknown} for op '{op}'")
@@ -305,25 +317,39 @@ def _check_limits(params: tuple[TensorSpec, ...], nodes: list[Any]) -> None:
         raise _fail(f"too many parameter elements: {elements} > {MAX_PARAM_ELEMENTS}")
 
 
-def _parse_loss(raw: Any, output: str, targets: tuple[TensorSpec, ...]) -> Loss:
+def _parse_loss(
+    raw: Any, output: str, targets: tuple[TensorSpec, ...], buffers: tuple[TensorSpec, ...]
+) -> Loss:
     if not isinstance(raw, dict):
         raise _fail("loss: must be an object")
     op = raw.get("op")
-    if op not in ops.LOSSES:
-        raise _fail(f"loss: unknown op {op!r} (expected one of {list(ops.LOSSES)})")
-    inputs = raw.get("inputs")
-    target_names = {t.name for t in targets}
+    if not isinstance(op, str) or op not in LOSS_SPECS:
+        raise _fail(f"loss: unknown op {op!r} (expected one of {list(LOSS_SPECS)})")
+    inputs = _loss_inputs(op, raw.get("inputs"), output, {t.name for t in targets})
+    if inputs[2:] and inputs[2] not in {b.name for b in buffers}:
+        raise _fail(f"loss: class weights {inputs[2]!r} must be a buffer")
+    attrs = _parse_attrs(op, raw.get("attrs"), f"loss ({op})", LOSS_SPECS)
+    if not 0.0 <= attrs.get("label_smoothing", 0.0) <= 1.0:
+        raise _fail(f"loss ({op}): label_smoothing must be between 0 and 1, got {attrs['label_smoothing']}")
+    return Loss(op, inputs, attrs)
+
+
+def _loss_inputs(op: str, inputs: Any, output: str, target_names: set[str]) -> tuple[str, ...]:
+    """[output, target] plus the loss's optional slots; an omitted or null trailing slot is dropped, so
+    [out, y] and [out, y, null] are the same graph."""
+    slots = LOSS_SPECS[op].inputs
+    while isinstance(inputs, list) and 2 < len(inputs) <= len(slots) and inputs[-1] is None:
+        inputs = inputs[:-1]
     if not (
         isinstance(inputs, list)
-        and len(inputs) == 2
+        and 2 <= len(inputs) <= len(slots)
+        and all(isinstance(name, str) for name in inputs)
         and inputs[0] == output
-        and isinstance(inputs[1], str)
         and inputs[1] in target_names
     ):
-        raise _fail(f"loss: inputs must be [output '{output}', a target], got {inputs!r}")
-    if raw.get("attrs") not in (None, {}):
-        raise _fail("loss: attrs must be empty")
-    return Loss(op, (inputs[0], inputs[1]), {})
+        optional = "".join(f", optional {slot.rstrip('?')}" for slot in slots[2:])
+        raise _fail(f"loss: inputs must be [output '{output}', a target{optional}], got {inputs!r}")
+    return tuple(inputs)
 
 
 def _parse_header(data: Any) -> dict[str, Any]:
@@ -386,7 +412,7 @@ def _load(data: dict[str, Any] | str | bytes) -> tuple[Graph, dict[str, torch.Te
     output = data.get("output")
     if not isinstance(output, str) or output not in {n.name for n in nodes}:
         raise _fail(f"output {output!r} is not a node")
-    loss = _parse_loss(data.get("loss"), output, targets)
+    loss = _parse_loss(data.get("loss"), output, targets, buffers)
     graph = Graph(name, inputs, targets, params, buffers, tuple(nodes), output, loss)
     return graph, _checked_values(graph, INFER_BATCH)
 
@@ -437,8 +463,9 @@ def _meta_values(graph: Graph, batch: int) -> dict[str, torch.Tensor]:
 def _checked_values(graph: Graph, batch: int) -> dict[str, torch.Tensor]:
     values = _meta_values(graph, batch)
     pred, target = values[graph.loss.inputs[0]], values[graph.loss.inputs[1]]
+    weight = None if graph.loss.weight is None else values[graph.loss.weight]
     try:
-        ops.check_loss_shapes(graph.loss.op, pred, target)
+        ops.check_loss_shapes(graph.loss.op, pred, target, weight)
     except ValueError as exc:
         raise _fail(f"loss ({graph.loss.op}): {exc}") from None
     return values

@@ -1,4 +1,4 @@
-"""Built-in models, as ordinary torch modules that export to graphs (see engine/export.py)."""
+"""Built-in models, as ordinary torch modules that export to graphs (see engine/export/)."""
 
 from __future__ import annotations
 
@@ -15,16 +15,18 @@ from engine.layers import PositionalEmbedding
 
 
 class MLP(nn.Module):
-    """784-128-10 with ReLU; exports to exactly the example graph of docs/graph-format.md."""
+    """784-128-10 with ReLU on 1x28x28 images, flattened first (images keep their shape in datasets, so
+    the same dataset trains this and the CNN); past the flatten, the example graph of docs/graph-format.md."""
 
     def __init__(self, inputs: int = 784, hidden: int = 128, classes: int = 10) -> None:
         super().__init__()
+        self.flatten = nn.Flatten()
         self.fc1 = nn.Linear(inputs, hidden)
         self.relu1 = nn.ReLU()
         self.fc2 = nn.Linear(hidden, classes)
 
     def forward(self, x: Tensor) -> Tensor:
-        out: Tensor = self.fc2(self.relu1(self.fc1(x)))
+        out: Tensor = self.fc2(self.relu1(self.fc1(self.flatten(x))))
         return out
 
 
@@ -162,7 +164,9 @@ class PresetSpec:
 
 
 PRESETS: dict[str, PresetSpec] = {
-    "mlp": PresetSpec(MLP, (784,), "float32", "class", "MLP 784-128-10 for flattened 28x28 images (MNIST)"),
+    "mlp": PresetSpec(
+        MLP, (1, 28, 28), "float32", "class", "MLP 784-128-10 for 1x28x28 images, flattened (MNIST)"
+    ),
     "cnn": PresetSpec(
         SmallCNN,
         (1, 28, 28),

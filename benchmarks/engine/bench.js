@@ -18,7 +18,7 @@
     return new Uint8Array(await response.arrayBuffer());
   }
 
-  // x as the graph wants it (NCHW, or [N, 784]) and as the hand-written model wants it (NHWC).
+  // x as the graph wants it (NCHW, or [N, features]) and as the hand-written model wants it (NHWC).
   function inputsFor(graph, batch) {
     const x = batch.x, y = batch.y;
     const xGraph = tf.tensor(x.data, x.shape, "float32");

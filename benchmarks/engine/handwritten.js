@@ -71,7 +71,8 @@
       "fc1.weight": denseKernel(tensorOf(weights, "fc1.weight")), "fc1.bias": tensorOf(weights, "fc1.bias"),
       "fc2.weight": denseKernel(tensorOf(weights, "fc2.weight")), "fc2.bias": tensorOf(weights, "fc2.bias"),
     }, true);
-    const forward = (x) => dense(dense(x, params, "fc1", "relu"), params, "fc2");
+    // The preset flattens its 1x28x28 images first: with one channel, NHWC and NCHW flatten alike.
+    const forward = (x) => dense(dense(x.reshape([x.shape[0], -1]), params, "fc1", "relu"), params, "fc2");
     return { params, buffers: {}, forward };
   }
 

@@ -70,7 +70,7 @@ def calibrate(concurrency: int, seconds: float = 4.0) -> dict[str, float]:
     simulator does it (threads in one process): for a 64-sample gradient and a 3,000-sample local pass."""
     graph, weights = _mlp_graph()
     fps = train_flops_per_sample(graph)
-    x, y = torch.rand(3000, 784), torch.randint(0, 10, (3000,))
+    x, y = torch.rand(3000, 1, 28, 28), torch.randint(0, 10, (3000,))
     inp, tgt = graph.inputs[0].name, graph.targets[0].name
 
     def gradient() -> int:

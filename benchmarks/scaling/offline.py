@@ -55,9 +55,9 @@ SETTINGS = [
 def fashion() -> tuple[torch.Tensor, ...]:
     os.environ.setdefault("DJANGO_SETTINGS_MODULE", "crowdtrain.settings")
     django.setup()  # the dataset loader lives in a Django app
-    from .seed import flat_fashion_npz
+    from projects.demo import fashion_npz
 
-    data = np.load(io.BytesIO(flat_fashion_npz()))
+    data = np.load(io.BytesIO(fashion_npz()))
     return tuple(torch.from_numpy(data[key]) for key in ("x", "y", "x_test", "y_test"))
 
 

@@ -7,36 +7,25 @@ the run's settings. Django is imported lazily: the runner itself is not a Django
 
 from __future__ import annotations
 
-import io
 import json
 import sys
 from typing import Any
-
-import numpy as np
 
 PROJECT = "Fashion-MNIST MLP (scaling benchmark)"
 CONFIGURED = "configured project"  # serve_run's line on stdout once the project runs, then its id
 OPENED = "opened the first round"  # and once the clock may start
 
 
-def flat_fashion_npz() -> bytes:
-    from projects.demo import fashion_npz, npz_bytes
-
-    data = np.load(io.BytesIO(fashion_npz()))
-    arrays = {key: data[key] for key in data.files}
-    for key in ("x", "x_test"):
-        arrays[key] = arrays[key].reshape(len(arrays[key]), -1)
-    return npz_bytes(**arrays)
-
-
 def seed() -> None:
     from django.contrib.auth.models import User
 
     from projects.datasets import dataset_create_from_npz
+    from projects.demo import fashion_npz
     from projects.services import project_create
 
     owner = User.objects.get(username="admin")
-    dataset = dataset_create_from_npz(owner=owner, name="Fashion-MNIST, flat", data=flat_fashion_npz())
+    # Images keep their [1, 28, 28] shape: the mlp preset flattens them itself.
+    dataset = dataset_create_from_npz(owner=owner, name="Fashion-MNIST", data=fashion_npz())
     project_create(owner=owner, name=PROJECT, dataset=dataset, preset="mlp")
 
 

@@ -21,8 +21,20 @@ def node(name: str, op: str, inputs: list[str | None], **attrs: Any) -> dict[str
 
 
 def graph(
-    name: str, inputs: list, targets: list, params: list, buffers: list, nodes: list, output: str, loss: str
+    name: str,
+    inputs: list,
+    targets: list,
+    params: list,
+    buffers: list,
+    nodes: list,
+    output: str,
+    loss: str,
+    *,
+    loss_attrs: dict[str, Any] | None = None,
+    class_weights: str | None = None,
 ) -> Graph:
+    """The loss reads the output and the first target (then `class_weights`, a buffer, if given)."""
+    loss_inputs = [output, targets[0]["name"], *([class_weights] if class_weights else [])]
     return {
         "format": "crowdtrain.graph",
         "version": 1,
@@ -33,12 +45,13 @@ def graph(
         "buffers": buffers,
         "nodes": nodes,
         "output": output,
-        "loss": {"op": loss, "inputs": [output, targets[0]["name"]], "attrs": {}},
+        "loss": {"op": loss, "inputs": loss_inputs, "attrs": loss_attrs or {}},
     }
 
 
 def init_weights(g: Graph, seed: int) -> Tensors:
-    """fan-in scaled normals for weights; BN affine near 1/0, running stats away from 0/1."""
+    """fan-in scaled normals for weights; BN affine near 1/0, running stats away from 0/1, class weights
+    in [0.5, 1.5); a param named "<p>.twin" starts equal to <p>."""
     gen = torch.Generator().manual_seed(seed)
     out: Tensors = {}
     for p in g["params"]:
@@ -48,9 +61,13 @@ def init_weights(g: Graph, seed: int) -> Tensors:
         if name.startswith("bn") and name.endswith(".weight"):
             value = 1 + 0.2 * torch.randn(shape, generator=gen)
         out[name] = value
+    for name in out:
+        if name.endswith(".twin"):
+            out[name] = out[name.removesuffix(".twin")].clone()
     for b in g["buffers"]:
         noise = torch.rand(b["shape"], generator=gen)
-        out[b["name"]] = 0.5 + noise if b["name"].endswith("running_var") else noise - 0.5
+        positive = b["name"].endswith(("running_var", "class_weight"))
+        out[b["name"]] = 0.5 + noise if positive else noise - 0.5
     return out
 
 
@@ -236,15 +253,177 @@ def regression() -> Graph:
     )
 
 
+def blocks() -> Graph:
+    """Issue 11's activations, group norms, reductions (keepdim, negative and empty dims), add_scalar and
+    dropout2d, both on the NHWC values convolutions leave and on NCHW ones. dropout2d has p=0 here: its
+    masks are random on both sides (tests/browser/test_ops.py checks them)."""
+    params = [
+        spec("c1.weight", [6, 4, 3, 3]),
+        spec("c1.bias", [6]),
+        spec("gn1.weight", [6]),
+        spec("gn1.bias", [6]),
+        spec("c2.weight", [6, 6, 3, 3]),
+        spec("fc.weight", [5, 18]),
+        spec("fc.bias", [5]),
+    ]
+    nodes = [
+        node("c1", "conv2d", ["x", "c1.weight", "c1.bias"], padding=[1, 1]),  # [N,6,6,6], NHWC from here
+        node("s1", "scale", ["c1"], factor=3.0),  # past hardswish's and hardsigmoid's kinks at -3 and 3
+        node("hs", "hardswish", ["s1"]),
+        node("lr", "leaky_relu", ["hs"], negative_slope=0.2),
+        node("as", "add_scalar", ["lr"], value=-0.5),
+        node("el", "elu", ["as"], alpha=0.5),
+        node("d2", "dropout2d", ["el"], p=0.0),
+        node("gn1", "group_norm", ["d2", "gn1.weight", "gn1.bias"], num_groups=3),  # reads NCHW
+        node("si", "silu", ["gn1"]),  # NCHW
+        node("c2", "conv2d", ["si", "c2.weight", None], padding=[1, 1]),
+        node("e1", "elu", ["c2"]),  # alpha 1: tf.elu
+        node("gn2", "group_norm", ["e1", None, None], num_groups=2, eps=1e-3),
+        node("lr2", "leaky_relu", ["gn2"]),
+        node("m1", "reduce_mean", ["lr2"], dims=[2, 3]),  # [N,6]
+        node("all", "reduce_mean", ["si"], dims=[]),  # a scalar, broadcast back below
+        node("m1b", "add", ["m1", "all"]),
+        node("hsig", "hardsigmoid", ["s1"]),  # NHWC
+        node("m2s", "reduce_sum", ["hsig"], dims=[-1, -2]),  # [N,6]
+        node("m2", "scale", ["m2s"], factor=0.1),  # logits of a sane size
+        node("hsig2", "hardsigmoid", ["gn1"]),  # NCHW
+        node("d3", "dropout2d", ["hsig2"], p=0.0),
+        node("m3", "reduce_mean", ["d3"], dims=[1], keepdim=True),  # [N,1,6,6]
+        node("m3s", "reduce_sum", ["m3"], dims=[2]),  # [N,1,6]
+        node("m3f", "flatten", ["m3s"]),
+        node("cat", "concat", ["m1b", "m2", "m3f"], dim=1),  # [N,18]
+        node("fc", "linear", ["cat", "fc.weight", "fc.bias"]),
+    ]
+    return graph(
+        "blocks-hand",
+        [spec("x", [-1, 4, 6, 6])],
+        [spec("y", [-1], "int64")],
+        params,
+        [],
+        nodes,
+        "fc",
+        "cross_entropy",
+    )
+
+
+def padding() -> Graph:
+    """embedding's padding_idx (positive and negative) on a table that an embedding without one shares: the
+    padding row is looked up, and trained only through the other lookup."""
+    t, d, v = 6, 8, 9
+    params = [
+        spec("emb.weight", [v, d]),
+        spec("emb2.weight", [v, d]),
+        spec("fc.weight", [4, d]),
+        spec("fc.bias", [4]),
+    ]
+    nodes = [
+        node("e", "embedding", ["x", "emb.weight"], padding_idx=0),
+        node("e2", "embedding", ["x", "emb2.weight"], padding_idx=-1),
+        node("e3", "embedding", ["x", "emb.weight"]),
+        node("h", "add", ["e", "e2"]),
+        node("h2", "mul", ["h", "e3"]),
+        node("s", "silu", ["h2"]),
+        node("r", "reduce_sum", ["s"], dims=[1]),  # [N,d]
+        node("r2", "reduce_mean", ["e3"], dims=[-2], keepdim=True),  # [N,1,d]
+        node("r2f", "flatten", ["r2"]),
+        node("z", "add", ["r", "r2f"]),
+        node("fc", "linear", ["z", "fc.weight", "fc.bias"]),
+    ]
+    return graph(
+        "padding-hand",
+        [spec("x", [-1, t], "int64")],
+        [spec("y", [-1], "int64")],
+        params,
+        [],
+        nodes,
+        "fc",
+        "cross_entropy",
+    )
+
+
+def resample() -> Graph:
+    """interpolate (nearest up and down, bilinear with and without align_corners, one axis unchanged) and
+    conv_transpose2d (stride 2, padding 1, output_padding 1 on NHWC values; uneven attrs on NCHW ones), into
+    cross_entropy with class weights, label smoothing and an ignore_index that is a class id."""
+    params = [
+        spec("ct1.weight", [3, 4, 3, 3]),
+        spec("ct1.bias", [4]),
+        spec("ct2.weight", [4, 2, 2, 3]),
+        spec("fc.weight", [5, 1139]),
+        spec("fc.bias", [5]),
+    ]
+    nodes = [
+        node(
+            "ct1", "conv_transpose2d", ["x", "ct1.weight", "ct1.bias"], stride=2, padding=1, output_padding=1
+        ),
+        node("r1", "relu", ["ct1"]),  # [N,4,10,12], NHWC
+        node("near_down", "interpolate", ["r1"], size=[7, 9]),  # [N,4,7,9]
+        node("near_up", "interpolate", ["x"], size=[11, 13], mode="nearest"),  # [N,3,11,13]
+        node("half", "interpolate", ["r1"], size=[13, 5], mode="bilinear"),  # [N,4,13,5]
+        node("corners", "interpolate", ["x"], size=[9, 6], mode="bilinear", align_corners=True),  # [N,3,9,6]
+        node(
+            "ct2",
+            "conv_transpose2d",
+            ["near_down", "ct2.weight", None],
+            stride=[1, 2],
+            padding=[0, 1],
+            output_padding=[0, 1],
+        ),  # [N,2,8,18]
+        *(node(f"f_{n}", "flatten", [n]) for n in ("near_up", "half", "corners", "ct2")),
+        node("feat", "concat", ["f_near_up", "f_half", "f_corners", "f_ct2"], dim=1),  # [N,1139]
+        node("t", "tanh", ["feat"]),
+        node("fc", "linear", ["t", "fc.weight", "fc.bias"]),
+    ]
+    return graph(
+        "resample-hand",
+        [spec("x", [-1, 3, 5, 6])],
+        [spec("y", [-1], "int64")],
+        params,
+        [spec("class_weight", [5])],
+        nodes,
+        "fc",
+        "cross_entropy",
+        loss_attrs={"label_smoothing": 0.15, "ignore_index": 2},
+        class_weights="class_weight",
+    )
+
+
+def l1() -> Graph:
+    """l1 over a conv_transpose2d + bilinear regression, and over values equal to their target: torch's l1
+    gradient there is 0 (tf.abs's would be -1), which the twin linears (equal weights) would pass on."""
+    params = [
+        spec("ct.weight", [2, 3, 3, 3]),
+        spec("ct.bias", [3]),
+        spec("a", [4, 5]),
+        spec("a.twin", [4, 5]),
+    ]
+    nodes = [
+        node("ct", "conv_transpose2d", ["x", "ct.weight", "ct.bias"], stride=2, padding=1, output_padding=1),
+        node("up", "interpolate", ["ct"], size=[6, 6], mode="bilinear"),  # [N,3,6,6]
+        node("pred", "flatten", ["up"]),  # [N,108]
+        node("v", "split", ["x"], dim=2, start=0, length=1),  # [N,2,1,4]
+        node("vf", "flatten", ["v"]),  # [N,8]
+        node("vv", "split", ["vf"], dim=1, start=0, length=5),  # [N,5]
+        node("pa", "linear", ["vv", "a", None]),
+        node("pb", "linear", ["vv", "a.twin", None]),
+        node("zero", "sub", ["pa", "pb"]),  # exactly 0, with a gradient for both
+        node("y_tail", "split", ["y"], dim=1, start=108, length=4),
+        node("same", "add", ["y_tail", "zero"]),  # equal to its target
+        node("out", "concat", ["pred", "same"], dim=1),  # [N,112]
+    ]
+    return graph(
+        "l1-hand", [spec("x", [-1, 2, 4, 4])], [spec("y", [-1, 112])], params, [], nodes, "out", "l1"
+    )
+
+
 def batch_for(g: Graph, n: int, seed: int) -> Tensors:
     """Random inputs/targets matching the graph's specs (class ids inside the output width)."""
     gen = torch.Generator().manual_seed(seed)
     out: Tensors = {}
-    classes = _classes(g)
     for s in g["inputs"] + g["targets"]:
         shape = [n if d == -1 else d for d in s["shape"]]
         if s["dtype"] == "int64":
-            high = classes if s in g["targets"] else _vocab(g)
+            high = _classes(g) if s in g["targets"] else _vocab(g)
             out[s["name"]] = torch.randint(0, high, shape, generator=gen)
         else:
             out[s["name"]] = torch.randn(shape, generator=gen)
@@ -264,4 +443,13 @@ def _vocab(g: Graph) -> int:
     return next(p for p in g["params"] if p["name"] == emb["inputs"][1])["shape"][0]
 
 
-HAND_MADE = {"mlp": mlp, "cnn": cnn, "seq": seq, "regression": regression}
+HAND_MADE = {
+    "mlp": mlp,
+    "cnn": cnn,
+    "seq": seq,
+    "regression": regression,
+    "resample": resample,
+    "l1": l1,
+    "blocks": blocks,
+    "padding": padding,
+}

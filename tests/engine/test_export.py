@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -183,18 +185,30 @@ def test_unsupported_function_names_op_and_module_path() -> None:
 
 
 def test_unsupported_module_names_its_path() -> None:
-    with pytest.raises(ExportError, match=r"GRU.* at 'block\.0'"):
-        export_module(_Blocky(nn.GRU(4, 4)), (4,))
+    with pytest.raises(ExportError, match=r"PReLU.* at 'block\.0'"):
+        export_module(_Blocky(nn.PReLU()), (4,))
 
 
-class _AddConst(nn.Module):
+class _Scalars(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
-        return x + 1.0
+        return (x + 1.0) * (1.0 - x) - 2 + x / 4 + 3 * x
 
 
-def test_scalar_addition_is_rejected() -> None:
-    with pytest.raises(ExportError, match="add with a Python scalar"):
-        export_module(_AddConst(), (4,))
+def test_arithmetic_with_python_numbers_matches() -> None:
+    graph, weights = export_module(_Scalars(), (4,), loss="mse")
+    x = torch.randn(3, 4)
+    torch.testing.assert_close(_runtime(graph, weights)({"x": x}), _Scalars()(x), atol=1e-6, rtol=1e-6)
+    assert {n["op"] for n in graph["nodes"]} == {"add_scalar", "scale", "mul", "add"}
+
+
+class _Reciprocal(nn.Module):
+    def forward(self, x: Tensor) -> Tensor:
+        return 2.0 / x
+
+
+def test_a_number_divided_by_a_tensor_is_refused() -> None:
+    with pytest.raises(ExportError, match="dividing a Python number by a tensor"):
+        export_module(_Reciprocal(), (4,), loss="mse")
 
 
 class _Branchy(nn.Module):
@@ -205,3 +219,246 @@ class _Branchy(nn.Module):
 def test_data_dependent_control_flow_is_an_export_error() -> None:
     with pytest.raises(ExportError, match="cannot trace"):
         export_module(_Branchy(), (4,))
+
+
+# ---------------------------------------------------------------- issue 11: exported, trained differently
+
+
+class _Tokens(nn.Module):
+    def __init__(self, **embedding: Any) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(10, 3, **embedding)
+
+    def forward(self, ids: Tensor) -> Tensor:
+        return self.emb(ids).flatten(1)
+
+
+def test_embedding_padding_idx_is_exported_and_its_row_never_trained() -> None:
+    torch.manual_seed(0)
+    module = _Tokens(padding_idx=-2)
+    graph, weights = export_module(module, (5,), input_dtype="int64", loss="mse")
+    assert graph["nodes"][0]["attrs"] == {"padding_idx": 8}  # normalised as torch does
+    ours = _runtime(graph, weights)
+    ids = torch.tensor([[8, 1, 8, 2, 3], [8, 8, 4, 5, 6]])
+    ours.loss(ours({"x": ids}), {"y": torch.randn(2, 15)}).backward()
+    grad = ours.grads()["emb.weight"]
+    assert not grad[8].any() and grad[1].any()
+
+
+@pytest.mark.parametrize("arg", ["scale_grad_by_freq", "sparse", "max_norm"])
+def test_embedding_options_the_graph_cannot_honour_are_refused(arg: str) -> None:
+    value = 1.0 if arg == "max_norm" else True
+    with pytest.raises(ExportError, match=rf"argument {arg}=.* at 'emb'"):
+        export_module(_Tokens(**{arg: value}), (5,), input_dtype="int64", loss="mse")
+
+
+class _FunctionalDropout(nn.Module):
+    def __init__(self, training: bool | None) -> None:
+        super().__init__()
+        self.fixed = training
+
+    def forward(self, x: Tensor) -> Tensor:
+        training = self.training if self.fixed is None else self.fixed
+        return F.dropout(x, 0.5, training=training, inplace=False) * 2.0
+
+
+@pytest.mark.parametrize(
+    ("training", "exported_in_eval", "dropout_nodes"), [(False, False, 0), (True, False, 1), (None, True, 1)]
+)
+def test_functional_dropout_follows_its_training_argument(
+    training: bool | None, exported_in_eval: bool, dropout_nodes: int
+) -> None:
+    """training=False is the identity; True (or self.training, whatever mode the module is exported in) is
+    dropout that the interpreter applies while it trains."""
+    module = _FunctionalDropout(training)
+    module.train(not exported_in_eval)
+    graph, _ = export_module(module, (4,), loss="mse")
+    assert [n["op"] for n in graph["nodes"]].count("dropout") == dropout_nodes
+    assert module.training is not exported_in_eval  # the caller's mode is restored
+
+
+class _ModeDependent(nn.Module):
+    def forward(self, x: Tensor) -> Tensor:
+        return x * 2.0 if self.training else x
+
+
+def test_forward_reading_self_training_is_refused() -> None:
+    with pytest.raises(ExportError, match="reads self.training"):
+        export_module(_ModeDependent(), (4,), loss="mse")
+
+
+class _InplaceReused(nn.Module):
+    def forward(self, x: Tensor) -> Tensor:
+        h = x * 2.0
+        view = h.view(-1, 2, 2)
+        y = F.relu(h, inplace=True)
+        return y + view.flatten(1)
+
+
+def test_inplace_on_a_tensor_read_afterwards_is_refused() -> None:
+    with pytest.raises(ExportError, match=r"argument inplace=True of torch\.nn\.functional\.relu"):
+        export_module(_InplaceReused(), (4,), loss="mse")
+
+
+class _Attention(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.attn = nn.MultiheadAttention(8, 2, batch_first=True)
+
+    def forward(self, x: Tensor) -> Tensor:
+        out, weights = self.attn(x, x, x)
+        return out.mean(-1) + weights.mean(-1)
+
+
+def test_used_attention_weights_are_refused() -> None:
+    with pytest.raises(ExportError, match=r"need_weights=True of .*MultiheadAttention at 'attn'"):
+        export_module(_Attention(), (5, 8), loss="mse")
+
+
+def test_causal_attention_dropout_is_refused() -> None:
+    layer = nn.TransformerEncoderLayer(8, 2, 16, dropout=0.1, batch_first=True)
+    mask = nn.Transformer.generate_square_subsequent_mask(5)
+
+    class Causal(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layer = layer
+
+        def forward(self, x: Tensor) -> Tensor:
+            return self.layer(x, src_mask=mask, is_causal=True)
+
+    with pytest.raises(ExportError, match="argument dropout=0.1 .* attention dropout with a causal mask"):
+        export_module(Causal(), (5, 8), loss="mse")
+
+
+# ---------------------------------------------------------------- losses
+
+
+class _Logits(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(6, 4)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.fc(x)
+
+
+def test_cross_entropy_module_becomes_the_graph_loss() -> None:
+    torch.manual_seed(0)
+    weight = torch.tensor([0.5, 1.0, 2.0, 1.5])
+    criterion = nn.CrossEntropyLoss(weight=weight, label_smoothing=0.1, ignore_index=2)
+    module = _Logits()
+    graph, weights = export_module(module, (6,), loss=criterion)
+    assert graph["loss"] == {
+        "op": "cross_entropy",
+        "inputs": [graph["output"], "y", "loss:weight"],
+        "attrs": {"label_smoothing": 0.1, "ignore_index": 2},
+    }
+    assert {"name": "loss:weight", "shape": [4], "dtype": "float32"} in graph["buffers"]
+    torch.testing.assert_close(weights["loss:weight"], weight)
+    x, y = torch.randn(8, 6), torch.tensor([0, 1, 2, 3, 2, 1, 0, 3])
+    ours = _runtime(graph, weights)
+    torch.testing.assert_close(ours.loss(ours({"x": x}), {"y": y}), criterion(module(x), y))
+
+
+@pytest.mark.parametrize(
+    ("loss", "message"),
+    [
+        (nn.CrossEntropyLoss(reduction="sum"), "reduction='sum'"),
+        (nn.MSELoss(size_average=False), "reduction='sum'.*size_average"),
+        (nn.NLLLoss(), "unsupported loss module NLLLoss"),
+        ("hinge", "unknown loss 'hinge'"),
+    ],
+)
+def test_losses_the_graph_cannot_compute_are_refused(loss: Any, message: str) -> None:
+    with pytest.raises(ExportError, match=message):
+        export_module(_Logits(), (6,), loss=loss)
+
+
+def test_l1_loss_module() -> None:
+    graph, _ = export_module(_Logits(), (6,), loss=nn.L1Loss())
+    assert graph["loss"]["op"] == "l1" and graph["targets"][0]["shape"] == [-1, 4]
+
+
+# ---------------------------------------------------------------- capture
+
+
+class _Frozen(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.bn = nn.BatchNorm1d(6)
+        self.fc = nn.Linear(6, 4)
+        self.fc.weight.requires_grad_(False)
+        self.bn.eval()  # a frozen batchnorm inside a training model
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.fc(self.bn(x))
+
+
+def test_export_changes_neither_buffers_nor_modes_nor_the_random_stream() -> None:
+    module = _Frozen()
+    assert module.bn.running_mean is not None
+    stats = module.bn.running_mean.clone()
+    torch.manual_seed(3)
+    graph, _ = export_module(module, (6,))
+    after = torch.rand(1)
+    torch.manual_seed(3)
+    assert torch.equal(after, torch.rand(1))
+    assert torch.equal(module.bn.running_mean, stats)
+    assert module.training and not module.bn.training
+    # A frozen parameter is a buffer: the graph never trains it.
+    assert "fc.weight" in {b["name"] for b in graph["buffers"]}
+    assert "fc.weight" not in {p["name"] for p in graph["params"]}
+
+
+class _SizeChecks(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x: Tensor) -> Tensor:
+        batch, length, dim = x.size()
+        assert length <= 8, "sequence too long"
+        if dim == 4:
+            x = self.fc(x)
+        return x.mean(1)
+
+
+def test_control_flow_on_sizes_is_decided_at_export() -> None:
+    graph, _ = export_module(_SizeChecks(), (5, 4), loss="mse")
+    assert [n["op"] for n in graph["nodes"]] == ["linear", "reduce_mean"]
+    with pytest.raises(ExportError, match="cannot trace the module: AssertionError|sequence too long"):
+        export_module(_SizeChecks(), (9, 4), loss="mse")
+
+
+class _BatchBranch(nn.Module):
+    def forward(self, x: Tensor) -> Tensor:
+        return x if x.size(0) > 2 else -x
+
+
+def test_control_flow_on_the_batch_size_is_refused() -> None:
+    with pytest.raises(ExportError, match="control flow depends on the batch size"):
+        export_module(_BatchBranch(), (4,), loss="mse")
+
+
+class _TimeMajor(nn.Module):
+    def forward(self, x: Tensor) -> Tensor:
+        return x.transpose(0, 1)
+
+
+def test_output_without_the_batch_first_is_refused() -> None:
+    with pytest.raises(ExportError, match="one row per sample first"):
+        export_module(_TimeMajor(), (5, 4), loss="mse")
+
+
+def test_unrolling_past_the_node_limit_is_an_export_error() -> None:
+    class Long(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.rnn = nn.LSTM(2, 2, batch_first=True)
+
+        def forward(self, x: Tensor) -> Tensor:
+            return self.rnn(x)[0][:, -1]
+
+    with pytest.raises(ExportError, match="too many nodes"):
+        export_module(Long(), (200, 2), loss="mse")

@@ -6,6 +6,8 @@ kernel the counter does not know (it would report 0), on meta it uses the math p
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -78,5 +80,54 @@ def test_grouped_conv_attention_and_dead_branches_agree() -> None:
     module = _Odd()
     graph = load_graph(export_module(module, (4, 8, 8))[0])
     forward, train = torch_flops(module, (4, 8, 8), "float32", batch=3)
+    assert forward_flops_per_sample(graph) * 3 == forward
+    assert train_flops_per_sample(graph) * 3 == train
+
+
+class _Decoder(nn.Module):
+    """Two transposed convs: the first's input needs no gradient, the second's does."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up1 = nn.ConvTranspose2d(4, 3, 3, stride=2, padding=1, output_padding=1)
+        self.up2 = nn.ConvTranspose2d(3, 2, (2, 3), stride=(1, 2), padding=(0, 1), bias=False)
+        self.head = nn.Linear(2 * 11 * 27, 5, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        out: Tensor = self.head(self.up2(self.up1(x)).flatten(1))
+        return out
+
+
+def _transposed(name: str, x: str, bias: str | None, **attrs: Any) -> dict[str, Any]:
+    return {"name": name, "op": "conv_transpose2d", "inputs": [x, f"{name}.weight", bias], "attrs": attrs}
+
+
+DECODER: dict[str, Any] = {
+    "format": "crowdtrain.graph",
+    "version": 1,
+    "inputs": [{"name": "x", "shape": [-1, 4, 5, 7]}],
+    "targets": [{"name": "y", "shape": [-1], "dtype": "int64"}],
+    "params": [
+        {"name": "up1.weight", "shape": [4, 3, 3, 3]},
+        {"name": "up1.bias", "shape": [3]},
+        {"name": "up2.weight", "shape": [3, 2, 2, 3]},
+        {"name": "head.weight", "shape": [5, 594]},
+    ],
+    "nodes": [
+        _transposed("up1", "x", "up1.bias", stride=2, padding=1, output_padding=1),  # [N, 3, 10, 14]
+        _transposed("up2", "up1", None, stride=[1, 2], padding=[0, 1]),  # [N, 2, 11, 27]
+        {"name": "flat", "op": "flatten", "inputs": ["up2"]},
+        {"name": "head", "op": "linear", "inputs": ["flat", "head.weight", None]},
+    ],
+    "output": "head",
+    "loss": {"op": "cross_entropy", "inputs": ["head", "y"]},
+}
+
+
+def test_conv_transpose2d_agrees_with_flop_counter_mode() -> None:
+    graph = load_graph(DECODER)
+    forward, train = torch_flops(_Decoder(), (4, 5, 7), "float32", batch=3)
+    up1 = 2 * 5 * 7 * 4 * 3 * 3 * 3  # every input pixel times the whole kernel
+    assert forward_flops_per_sample(graph) == up1 + 2 * 10 * 14 * 3 * 2 * 2 * 3 + 2 * 594 * 5
     assert forward_flops_per_sample(graph) * 3 == forward
     assert train_flops_per_sample(graph) * 3 == train

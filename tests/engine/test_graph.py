@@ -168,9 +168,15 @@ def test_arange_embedding_longer_than_table_is_rejected() -> None:
         load_graph(graph)
 
 
-def test_mlp_preset_exports_to_the_documented_example() -> None:
+def test_mlp_preset_exports_to_the_documented_example_behind_a_flatten() -> None:
+    """The preset takes 1x28x28 images (datasets keep their shape) and flattens them first."""
+    documented = copy.deepcopy(DOC_EXAMPLE)
+    documented["inputs"][0]["shape"] = [-1, 1, 28, 28]
+    flatten = {"name": "flatten", "op": "flatten", "inputs": ["x"], "attrs": {"start_dim": 1, "end_dim": -1}}
+    documented["nodes"] = [flatten, *documented["nodes"]]
+    documented["nodes"][1]["inputs"] = ["flatten", "fc1.weight", "fc1.bias"]
     graph, _ = exported("mlp")
-    assert load_graph(graph) == load_graph(DOC_EXAMPLE)
+    assert load_graph(graph) == load_graph(documented)
 
 
 def test_random_corruption_only_ever_raises_graph_error() -> None:
@@ -304,3 +310,154 @@ def test_every_default_in_the_spec_file_is_a_valid_value_of_its_kind() -> None:
 def test_an_attr_kind_the_loader_cannot_check_is_refused() -> None:
     with pytest.raises(ValueError, match="unknown attr kind 'complex'"):
         graph._attr({"kind": "complex"})
+
+
+# --- int_or_none attrs and the checks of issue 11's ops ------------------------------------------------
+
+
+@pytest.mark.parametrize(("value", "expected"), [(None, None), (3, 3), (-1, -1), (0, 0)])
+def test_an_int_or_none_attr_is_null_or_an_int(value: Any, expected: Any) -> None:
+    assert graph._norm_attr(graph.Attr("int_or_none", None), value, "a") == expected
+
+
+@pytest.mark.parametrize("value", [1.5, 2.0, True, "1", [1], {}, 2**40])
+def test_an_int_or_none_attr_refuses_anything_else(value: Any) -> None:
+    with pytest.raises(GraphError, match="expected int_or_none"):
+        graph._norm_attr(graph.Attr("int_or_none", None), value, "a")
+
+
+def _embedding_graph(**attrs: Any) -> dict[str, Any]:
+    """ids -> embedding (with attrs) -> mean over the sequence -> linear classifier."""
+    node = lambda name, op, inputs, **a: {"name": name, "op": op, "inputs": inputs, "attrs": a}  # noqa: E731
+    return {
+        **{k: DOC_EXAMPLE[k] for k in ("format", "version", "targets", "buffers", "loss")},
+        "inputs": [{"name": "x", "shape": [-1, 5], "dtype": "int64"}],
+        "params": [
+            {"name": "emb", "shape": [7, 4], "dtype": "float32"},
+            {"name": "fc2.weight", "shape": [10, 4], "dtype": "float32"},
+        ],
+        "nodes": [
+            node("e", "embedding", ["x", "emb"], **attrs),
+            node("m", "reduce_mean", ["e"], dims=[1]),
+            node("fc2", "linear", ["m", "fc2.weight", None]),
+        ],
+        "output": "fc2",
+    }
+
+
+def test_embedding_padding_idx_is_optional_and_checked() -> None:
+    assert load_graph(_embedding_graph()).nodes[0].attrs == {"padding_idx": None}
+    assert load_graph(_embedding_graph(padding_idx=-7)).nodes[0].attrs == {"padding_idx": -7}
+    with pytest.raises(GraphError, match="attr 'padding_idx'"):
+        load_graph(_embedding_graph(padding_idx="0"))
+    for outside in (7, -8):
+        with pytest.raises(GraphError, match="node 'e' \\(embedding\\): padding_idx"):
+            load_graph(_embedding_graph(padding_idx=outside))
+
+
+@pytest.mark.parametrize(
+    ("op", "attrs", "message"),
+    [
+        ("group_norm", {"num_groups": 3}, "divisible"),
+        ("dropout2d", {"p": 1.5}, "between 0 and 1"),
+        ("reduce_sum", {"dims": [1, 1]}, "duplicate"),
+        ("reduce_mean", {"dims": [2]}, "out of range"),
+    ],
+)
+def test_impossible_uses_of_the_new_ops_are_graph_errors(
+    op: str, attrs: dict[str, Any], message: str
+) -> None:
+    g = copy.deepcopy(DOC_EXAMPLE)
+    g["nodes"].insert(
+        1,
+        {"name": "new", "op": op, "inputs": ["fc1", None, None][: len(OP_SPECS[op].inputs)], "attrs": attrs},
+    )
+    g["nodes"][2]["inputs"] = ["new"]
+    with pytest.raises(GraphError, match=f"node 'new' \\({op}\\): .*{message}"):
+        load_graph(g)
+
+
+# ---- losses: inputs and attrs like a node's -----------------------------------------------------------
+
+
+def _with_loss(loss: dict[str, Any], class_weights: list[int] | None = None) -> dict[str, Any]:
+    g = copy.deepcopy(DOC_EXAMPLE)
+    g["loss"] = loss
+    g["buffers"] = [{"name": "cw", "shape": class_weights or [10], "dtype": "float32"}]
+    return g
+
+
+def test_loss_attrs_are_filled_in_and_class_weights_are_an_optional_buffer() -> None:
+    plain = load_graph(_with_loss({"op": "cross_entropy", "inputs": ["fc2", "y"]}))
+    assert plain.loss.attrs == {"label_smoothing": 0.0, "ignore_index": -100} and plain.loss.weight is None
+    assert load_graph(_with_loss({"op": "cross_entropy", "inputs": ["fc2", "y", None]})) == plain
+    attrs = {"label_smoothing": 0, "ignore_index": 3}
+    weighted = load_graph(_with_loss({"op": "cross_entropy", "inputs": ["fc2", "y", "cw"], "attrs": attrs}))
+    assert weighted.loss.inputs == ("fc2", "y", "cw") and weighted.loss.weight == "cw"
+    assert weighted.loss.attrs == {"label_smoothing": 0.0, "ignore_index": 3}
+    assert load_graph(graph_to_json(weighted)) == weighted
+
+
+def test_l1_loss_takes_a_float_target_of_the_outputs_shape() -> None:
+    g = _with_loss({"op": "l1", "inputs": ["fc2", "y"]})
+    g["targets"] = [{"name": "y", "shape": [-1, 10], "dtype": "float32"}]
+    assert load_graph(g).loss.attrs == {}
+    g["targets"][0]["dtype"] = "int64"
+    with pytest.raises(GraphError, match="l1 needs a float32 target"):
+        load_graph(g)
+
+
+def _ce(inputs: list[Any] | None = None, **attrs: Any) -> dict[str, Any]:
+    return {"op": "cross_entropy", "inputs": inputs or ["fc2", "y"], "attrs": attrs}
+
+
+LOSS_CASES: list[tuple[str, dict[str, Any], list[int] | None, str]] = [
+    ("unknown attr", _ce(reduction="sum"), None, r"loss \(cross_entropy\): unknown attrs \['reduction'\]"),
+    ("float ignore_index", _ce(ignore_index=1.5), None, "attr 'ignore_index'"),
+    ("bool ignore_index", _ce(ignore_index=True), None, "attr 'ignore_index'"),
+    ("text label_smoothing", _ce(label_smoothing="0.1"), None, "attr 'label_smoothing'"),
+    ("label_smoothing above 1", _ce(label_smoothing=1.5), None, "between 0 and 1"),
+    ("negative label_smoothing", _ce(label_smoothing=-0.1), None, "between 0 and 1"),
+    ("weights from a param", _ce(["fc2", "y", "fc2.bias"]), None, "'fc2.bias' must be a buffer"),
+    ("weights from nowhere", _ce(["fc2", "y", "nope"]), None, "'nope' must be a buffer"),
+    ("weights of the wrong size", _ce(["fc2", "y", "cw"]), [9], r"class weights must have shape \[10\]"),
+    ("weights of the wrong rank", _ce(["fc2", "y", "cw"]), [10, 1], r"class weights must have shape \[10\]"),
+    ("four inputs", _ce(["fc2", "y", "cw", "cw"]), None, "loss: inputs"),
+    ("a number for weights", _ce(["fc2", "y", 3]), None, "loss: inputs"),
+    ("a list for the target", _ce(["fc2", ["y"]]), None, "loss: inputs"),
+    ("mse with weights", {"op": "mse", "inputs": ["fc2", "y", "cw"]}, None, "loss: inputs"),
+    (
+        "mse with attrs",
+        {"op": "mse", "inputs": ["fc2", "y"], "attrs": {"ignore_index": 1}},
+        None,
+        "unknown attrs",
+    ),
+    (
+        "attrs not an object",
+        {"op": "l1", "inputs": ["fc2", "y"], "attrs": []},
+        None,
+        "attrs must be an object",
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("loss", "class_weights", "message"), [c[1:] for c in LOSS_CASES], ids=[c[0] for c in LOSS_CASES]
+)
+def test_invalid_losses_are_rejected_with_a_clear_message(
+    loss: dict[str, Any], class_weights: list[int] | None, message: str
+) -> None:
+    with pytest.raises(GraphError, match=message):
+        load_graph(_with_loss(loss, class_weights))
+
+
+def test_trained_buffers_are_the_running_stats_batch_norm_updates() -> None:
+    from torch import nn
+
+    from engine.export import export_module
+
+    model = nn.Sequential(nn.Flatten(), nn.Linear(4, 3), nn.BatchNorm1d(3))
+    graph, _ = export_module(model, (2, 2), loss=nn.CrossEntropyLoss(weight=torch.ones(3)))
+    loaded = load_graph(graph)
+    assert {b.name for b in loaded.buffers} == {"2.running_mean", "2.running_var", "loss:weight"}
+    assert loaded.trained_buffers() == ["2.running_mean", "2.running_var"]

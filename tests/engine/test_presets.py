@@ -80,7 +80,7 @@ def test_mlp_learns_real_digits_through_the_server_pipeline() -> None:
     xs, ys = [], []
     for digit in range(10):
         data = np.asarray(json.loads((DIGITS / f"{digit}.json").read_text())["data"], np.float32)
-        xs.append(data.reshape(-1, 784)[:100])
+        xs.append(data.reshape(-1, 1, 28, 28)[:100])
         ys.append(np.full(100, digit, np.int32))
     order = np.random.default_rng(0).permutation(1000)
     x, y = torch.from_numpy(np.concatenate(xs)[order]), torch.from_numpy(np.concatenate(ys)[order])

@@ -43,8 +43,8 @@ def test_missing_input_is_reported() -> None:
     module = GraphModule(exported("mlp")[0])
     with pytest.raises(KeyError, match="'x'"):
         module({})
-    with pytest.raises(ValueError, match=r"'x' has shape \[2, 783\], expected \[-1, 784\]"):
-        module({"x": torch.zeros(2, 783)})
+    with pytest.raises(ValueError, match=r"'x' has shape \[2, 1, 28, 27\], expected \[-1, 1, 28, 28\]"):
+        module({"x": torch.zeros(2, 1, 28, 27)})
 
 
 @pytest.mark.parametrize("name", ["mlp", "gpt"])
@@ -139,7 +139,7 @@ def test_local_steps_equal_a_torch_sgd_loop() -> None:
 
     torch.manual_seed(0)
     graph, weights = export_preset("mlp")
-    x, y = torch.rand(10, 784), torch.randint(0, 10, (10,))
+    x, y = torch.rand(10, 1, 28, 28), torch.randint(0, 10, (10,))
     result = local_steps(graph, weights, {"x": x}, {"y": y}, batch_size=4, lr=0.1, momentum=0.9)
 
     module = copy.deepcopy(build_preset("mlp"))

@@ -16,9 +16,7 @@ def cnn_project(researcher: User) -> Any:
     from tests.conftest import mnist_arrays, npz_bytes
 
     x, y = mnist_arrays(per_class=20)
-    dataset = dataset_create_from_npz(
-        owner=researcher, name="digit images", data=npz_bytes(x=x.reshape(-1, 1, 28, 28), y=y)
-    )
+    dataset = dataset_create_from_npz(owner=researcher, name="digit images", data=npz_bytes(x=x, y=y))
     project = project_create(
         owner=researcher,
         name="CNN",

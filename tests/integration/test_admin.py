@@ -19,10 +19,12 @@ ADD_URL = "/admin/projects/project/add/"
 CHANGELIST_URL = "/admin/projects/project/"
 
 
-def npz_upload(name: str = "digits.npz", features: int = 784, samples: int = 60) -> SimpleUploadedFile:
+def npz_upload(
+    name: str = "digits.npz", shape: tuple[int, ...] = (1, 28, 28), samples: int = 60
+) -> SimpleUploadedFile:
     rng = np.random.default_rng(0)
     buffer = io.BytesIO()
-    np.savez(buffer, x=rng.random((samples, features), dtype=np.float32), y=np.arange(samples) % 10)
+    np.savez(buffer, x=rng.random((samples, *shape), dtype=np.float32), y=np.arange(samples) % 10)
     return SimpleUploadedFile(name, buffer.getvalue(), content_type="application/octet-stream")
 
 
@@ -117,10 +119,10 @@ def test_bad_upload_error_is_shown_on_the_form(client: Client, lab_researcher: U
 def test_dataset_that_does_not_fit_the_preset_is_refused(client: Client, lab_researcher: User) -> None:
     client.force_login(lab_researcher)
 
-    response = client.post(ADD_URL, project_form(dataset_file=npz_upload(features=10)))
+    response = client.post(ADD_URL, project_form(dataset_file=npz_upload(shape=(10,))))
 
     assert response.status_code == 200
-    assert "expects samples of shape [784]" in response.context["adminform"].form.errors["preset"][0]
+    assert "expects samples of shape [1, 28, 28]" in response.context["adminform"].form.errors["preset"][0]
     assert (Project.objects.count(), Dataset.objects.count()) == (0, 0)
 
 
@@ -179,7 +181,9 @@ def test_dataset_admin_upload(client: Client, lab_researcher: User, settings: An
 
     assert response.status_code == 302
     dataset = Dataset.objects.get(name="uploaded")
-    assert dataset.owner == lab_researcher and dataset.input_shape == [784] and dataset.num_classes == 10
+    assert (
+        dataset.owner == lab_researcher and dataset.input_shape == [1, 28, 28] and dataset.num_classes == 10
+    )
     assert list(dataset.shards.filter(split="train").values_list("count", flat=True)) == [25, 25, 4]
 
     bad = client.post(

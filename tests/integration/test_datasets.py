@@ -1,19 +1,27 @@
-"""Dataset uploads: every bad file is refused with a clear message and stores nothing; good ones shard."""
+"""Dataset uploads (.npz): every bad file is refused with a clear message and stores nothing; good ones shard,
+class labels and float targets alike, read a chunk at a time."""
 
 from __future__ import annotations
 
 import io
 import re
+import tempfile
 import zipfile
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 import pytest
+import torch
 from django.contrib.auth.models import User
 from safetensors.numpy import load as safetensors_load
 
+from engine.export import export_module
+from projects import datasets
 from projects.datasets import DatasetError, dataset_create_from_npz, dataset_load_split
-from projects.models import Blob, Dataset, DatasetShard
+from projects.forms import preset_mismatch
+from projects.models import Blob, Dataset, DatasetShard, Project
+from projects.services import ProjectError, project_create, project_create_from_graph, version_evaluate
 
 UNPICKLED: list[str] = []
 
@@ -73,8 +81,24 @@ BAD_UPLOADS = {
     "x bool": (npz(x=np.ones((5, 3), dtype=bool), y=labels(5)), "x has dtype bool"),
     "x one-dimensional": (npz(x=np.ones(5, dtype=np.float32), y=labels(5)), "shape [samples, ...]"),
     "x without samples": (npz(x=np.ones((0, 3), dtype=np.float32), y=labels(0)), "shape [samples, ...]"),
-    "y float": (npz(x=images(5), y=labels(5).astype(np.float32)), "integer class labels"),
+    "y bool": (npz(x=images(5), y=np.ones(5, bool)), "integer class labels, or float targets"),
     "y two-dimensional": (npz(x=images(5), y=labels(10).reshape(5, 2)), "integer class labels"),
+    "float y without values": (npz(x=images(5), y=np.ones((5, 0), np.float32)), "float targets of shape"),
+    "NaN targets": (npz(x=images(2), y=np.array([[0.5], [np.nan]], np.float32)), "y contains NaN"),
+    "infinite test targets": (
+        npz(x=images(3), y=np.ones((3, 2)), x_test=images(2), y_test=np.array([[1.0, np.inf], [0, 0]])),
+        "y_test contains NaN or infinite",
+    ),
+    "float64 targets beyond float32": (npz(x=images(2), y=np.array([1e300, 1.0])), "y contains NaN"),
+    "targets length mismatch": (npz(x=images(5), y=np.ones((4, 2))), "x has 5 samples but y has 4 targets"),
+    "float y, integer y_test": (
+        npz(x=images(3), y=np.ones(3), x_test=images(2), y_test=labels(2)),
+        "y and y_test must both hold integer class labels or both float targets",
+    ),
+    "mismatched target shapes": (
+        npz(x=images(3), y=np.ones((3, 2)), x_test=images(2), y_test=np.ones((2, 3))),
+        "y_test targets have shape [3], but y targets have shape [2]",
+    ),
     "length mismatch": (npz(x=images(5), y=labels(4)), "x has 5 samples but y has 4 labels"),
     "negative label": (npz(x=images(4), y=np.array([0, 1, -1, 1])), "Labels must be >= 0"),
     "single class": (npz(x=images(4), y=np.zeros(4, dtype=np.int64)), "at least 2 classes"),
@@ -196,3 +220,114 @@ def test_identical_shards_share_blobs(owner: User) -> None:
         second.shards.values_list("blob", flat=True)
     )
     assert Blob.objects.count() == 2
+
+
+# --- float targets (regression, dense outputs) ---------------------------------------------------
+
+
+def test_float_targets_make_a_dataset_without_classes(owner: User, small_shards: int) -> None:
+    x, y = images(10), np.random.default_rng(2).normal(size=(10, 3, 2)).astype(np.float64)
+    dataset = dataset_create_from_npz(owner=owner, name="dense", data=npz(x=x, y=y))
+
+    assert (dataset.kind, dataset.num_classes, dataset.target_shape) == ("regression", 0, [3, 2])
+    assert (dataset.train_samples, dataset.test_samples, dataset.labels) == (9, 1, [])
+    first = safetensors_load(dataset.shards.get(split="train", index=0).blob.read())
+    assert first["y"].dtype == np.float32 and first["y"].shape == (4, 3, 2)
+    train_y = dataset_load_split(dataset=dataset, split="train")[1]
+    np.testing.assert_array_equal(train_y, y[:9].astype(np.float32))
+
+
+def regression_dataset(owner: User) -> Dataset:
+    x, y = images(20), np.random.default_rng(3).random((20, 2), dtype=np.float32)
+    return dataset_create_from_npz(owner=owner, name="points", data=npz(x=x, y=y))
+
+
+FLAT = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(4, 2))
+GRAPHS_ON_FLOAT_TARGETS: dict[str, tuple[Callable[[], Any], str | None]] = {
+    "mse on [2] outputs": (lambda: export_module(FLAT, (1, 2, 2), loss="mse"), None),
+    "l1 on [2] outputs": (lambda: export_module(FLAT, (1, 2, 2), loss="l1"), None),
+    "a classifier": (
+        lambda: export_module(FLAT, (1, 2, 2)),
+        "The dataset has float targets and no classes: the graph needs an mse or l1 loss",
+    ),
+    "mse on [3] outputs": (
+        lambda: export_module(
+            torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(4, 3)), (1, 2, 2), loss="mse"
+        ),
+        "float32 targets of shape [-1, 2]",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(GRAPHS_ON_FLOAT_TARGETS))
+def test_only_regression_losses_fit_float_targets(owner: User, case: str) -> None:
+    make, expected = GRAPHS_ON_FLOAT_TARGETS[case]
+    graph, weights = make()
+    dataset = regression_dataset(owner)
+    if expected is None:
+        project = project_create_from_graph(
+            owner=owner, name=case, dataset=dataset, graph_dict=graph, weights=weights
+        )
+        metrics = version_evaluate(version_id=project.current_version().pk)
+        assert set(metrics) == {"test_loss"} and metrics["test_loss"] > 0  # no accuracy without classes
+        return
+    with pytest.raises(ProjectError, match=re.escape(expected)):
+        project_create_from_graph(owner=owner, name=case, dataset=dataset, graph_dict=graph, weights=weights)
+    assert not Project.objects.exists()
+
+
+def test_presets_do_not_fit_float_targets(owner: User) -> None:
+    x, y = np.zeros((4, 1, 28, 28), np.float32), np.ones((4, 10), np.float32)
+    dataset = dataset_create_from_npz(owner=owner, name="28x28 points", data=npz(x=x, y=y))
+    with pytest.raises(ProjectError, match="needs an mse or l1 loss"):
+        project_create(owner=owner, name="cnn", dataset=dataset, preset="cnn")
+    assert preset_mismatch(preset="cnn", input_shape=[1, 2, 2], num_classes=0, kind="regression") == (
+        "The cnn preset needs one class label per sample; the dataset has float targets (a model with an mse "
+        "or l1 loss fits them: upload one)."
+    )
+
+
+def test_a_class_dataset_refuses_a_regression_graph(owner: User) -> None:
+    dataset = dataset_create_from_npz(owner=owner, name="labels", data=npz(x=images(6), y=labels(6)))
+    graph, weights = export_module(FLAT, (1, 2, 2), loss="mse")
+    with pytest.raises(ProjectError, match="needs a cross_entropy loss on one class label per sample"):
+        project_create_from_graph(owner=owner, name="reg", dataset=dataset, graph_dict=graph, weights=weights)
+
+
+# --- streaming ------------------------------------------------------------------------------------
+
+
+def test_arrays_are_read_a_chunk_at_a_time_across_splits(
+    owner: User, monkeypatch: Any, small_shards: int
+) -> None:
+    """Chunks of 3 rows (a 48-byte READ_CHUNK over 16-byte rows) that straddle the held-out boundary,
+    and a Fortran-ordered x, which is read whole: the stored samples are exactly the file's."""
+    monkeypatch.setattr(datasets, "READ_CHUNK", 48)
+    x = np.asfortranarray(np.arange(25 * 4, dtype=np.float32).reshape(25, 4))
+    y = labels(25)
+    for name, data in (
+        ("c-order", npz(x=np.ascontiguousarray(x), y=y)),
+        ("fortran", npz(compressed=True, x=x, y=y)),
+    ):
+        dataset = dataset_create_from_npz(owner=owner, name=name, data=data)
+        train_x, train_y = dataset_load_split(dataset=dataset, split="train")
+        test_x, test_y = dataset_load_split(dataset=dataset, split="test")
+        np.testing.assert_array_equal(np.concatenate([train_x, test_x]), x)
+        assert np.concatenate([train_y, test_y]).tolist() == y.tolist() and len(test_y) == 2
+
+
+def test_a_label_out_of_range_in_a_late_chunk_is_found(owner: User, monkeypatch: Any) -> None:
+    monkeypatch.setattr(datasets, "READ_CHUNK", 16)
+    y = labels(40)
+    y[37] = -2
+    with pytest.raises(DatasetError, match="Labels must be >= 0; found -2"):
+        dataset_create_from_npz(owner=owner, name="late", data=npz(x=images(40), y=y))
+    assert Dataset.objects.count() == 0
+
+
+def test_staging_is_removed_once_stored_or_refused(owner: User, tmp_path: Any, monkeypatch: Any) -> None:
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    dataset_create_from_npz(owner=owner, name="ok", data=npz(x=images(5), y=labels(5)))
+    with pytest.raises(DatasetError):
+        dataset_create_from_npz(owner=owner, name="bad", data=npz(x=images(5), y=-labels(5)))
+    assert list(tmp_path.iterdir()) == []

@@ -35,7 +35,7 @@ def test_seed_demo_creates_the_mnist_project_once(admin: User) -> None:
     assert project.owner == admin and project.preset == "mlp"
     dataset = project.dataset
     assert (dataset.train_samples, dataset.test_samples) == (9000, 1000)
-    assert dataset.input_shape == [784] and dataset.num_classes == 10
+    assert dataset.input_shape == [1, 28, 28] and dataset.num_classes == 10
     assert project.versions.filter(number=0).exists()
 
     counts = (Project.objects.count(), Dataset.objects.count())
@@ -54,7 +54,7 @@ def test_mnist_npz_is_deterministic_and_balanced() -> None:
     first, second = demo.mnist_npz(), demo.mnist_npz()
     assert first == second
     arrays = np.load(io.BytesIO(first))
-    assert arrays["x"].shape == (9000, 784) and arrays["x_test"].shape == (1000, 784)
+    assert arrays["x"].shape == (9000, 1, 28, 28) and arrays["x_test"].shape == (1000, 1, 28, 28)
     assert arrays["x"].dtype == np.float32 and arrays["x"].min() >= 0 and arrays["x"].max() <= 1
     assert sorted(set(arrays["y_test"].tolist())) == list(range(10))
 

@@ -35,7 +35,7 @@ class Net(nn.Module):
         self.fc2 = nn.Linear(32, 10)
 
     def forward(self, x):
-        return self.fc2(torch.relu(self.fc1(x)))
+        return self.fc2(torch.relu(self.fc1(torch.flatten(x, 1))))
 
 
 class Weird(nn.Module):
@@ -101,7 +101,7 @@ def test_creates_and_starts_a_project(
         message = export(
             f"{models_module}:Net",
             "--input-shape",
-            "784",
+            "1,28,28",
             "--project-name",
             "From CLI",
             "--dataset-id",
@@ -146,12 +146,12 @@ def test_unsupported_op_names_the_op_and_the_module_path(models_module: str, tmp
 def test_shape_mismatch_with_the_dataset_creates_nothing(
     models_module: str, digits_dataset: Dataset, researcher: User
 ) -> None:
-    expected = r"expects samples of shape \[1, 28, 28\]; the dataset has \[784\]"
+    expected = r"expects samples of shape \[784\]; the dataset has \[1, 28, 28\]"
     with pytest.raises(CommandError, match=expected):
         export(
-            f"{models_module}:Conv",
+            f"{models_module}:Net",
             "--input-shape",
-            "1,28,28",
+            "784",
             "--project-name",
             "Mismatch",
             "--dataset-id",

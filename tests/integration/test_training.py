@@ -326,3 +326,32 @@ def test_compressed_weights_go_down_and_the_master_copy_stays_fp32(
 def test_fp32_projects_send_the_master_weights(mlp_project: Project) -> None:
     version = mlp_project.current_version()
     assert version.wire_weights is None and version.wire_blob == version.weights
+
+
+class _NormedNet(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.bn, self.fc2 = torch.nn.Linear(784, 8), torch.nn.BatchNorm1d(8), torch.nn.Linear(8, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(self.bn(self.fc1(x.flatten(1))))
+
+
+def test_only_buffers_an_op_trains_are_taken_from_volunteers(
+    researcher: User, digits_dataset: Dataset
+) -> None:
+    """Class weights (and frozen parameters) are buffers no op updates: whatever a volunteer reports for them,
+    the next version keeps the server's values; batch norm's running stats are averaged."""
+    from engine.export import export_module
+    from projects.services import project_create_from_graph
+
+    loss = torch.nn.CrossEntropyLoss(weight=torch.linspace(0.5, 2.0, 10))
+    graph, weights = export_module(_NormedNet(), (1, 28, 28), loss=loss)
+    project = project_create_from_graph(
+        owner=researcher, name="normed", dataset=digits_dataset, graph_dict=graph, weights=weights
+    )
+    reported = {name: torch.full_like(value, 100.0) for name, value in weights.items()}
+    params, buffers = training._combine(project=project, updates=[reported, reported], weights=[1.0, 1.0])
+    assert set(buffers) == {"bn.running_mean", "bn.running_var"}
+    assert "loss:weight" not in params
+    torch.testing.assert_close(buffers["bn.running_var"], torch.full((8,), 100.0))

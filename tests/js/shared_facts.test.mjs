@@ -10,6 +10,7 @@ const ROOT = new URL("../../", import.meta.url);
 const read = (path) => readFileSync(new URL(path, ROOT), "utf8");
 const SPEC = JSON.parse(read("engine/spec.json"));
 const OPS = SPEC.graph.ops;
+const LOSSES = SPEC.graph.losses;
 
 // Classic scripts in a fresh global whose `self` is the global itself, as in a page or a worker.
 function load(files, globals = {}) {
@@ -32,11 +33,11 @@ test("spec.js carries engine/spec.json (else run `python -m engine.spec`)", () =
 test("runtime.js implements exactly the spec's ops and losses", () => {
   const { runtime } = engine();
   assert.deepStrictEqual(Object.keys(runtime.OPS).sort(), Object.keys(OPS).sort());
-  assert.deepStrictEqual(Object.keys(runtime.LOSSES).sort(), [...SPEC.graph.losses].sort());
+  assert.deepStrictEqual(Object.keys(runtime.LOSSES).sort(), Object.keys(LOSSES).sort());
 });
 
 // ---- graph.js validates by the spec ---------------------------------------------------------------
-const SAMPLE = { int: 1, float: 0.5, bool: true, ints: [1], pair: [1, 1], pair_or_none: null };
+const SAMPLE = { int: 1, int_or_none: null, float: 0.5, bool: true, ints: [1], pair: [1, 1], pair_or_none: null };
 const sample = (a) => (a.kind === "str" ? a.choices[0] : SAMPLE[a.kind]);
 const attrsOf = (op) => Object.entries(OPS[op].attrs || {});
 const required = (op) =>
@@ -52,7 +53,7 @@ function graphWith(op, { inputs, attrs = required(op) } = {}) {
     inputs: [{ name: slots[0], shape: [-1, 4], dtype: "float32" }],
     targets: [{ name: "y", shape: [-1], dtype: "int64" }],
     params, nodes: [{ name: "n", op, inputs: inputs || slots, attrs }], output: "n",
-    loss: { op: SPEC.graph.losses[0], inputs: ["n", "y"] },
+    loss: { op: Object.keys(LOSSES)[0], inputs: ["n", "y"] },
   };
 }
 
@@ -83,6 +84,32 @@ test("graph.js holds every op to its input slots and attrs", () => {
   }
 });
 
+// Per kind: values the server accepts (engine/graph.py, _norm_attr) and values it refuses.
+const KIND_VALUES = {
+  int: [[0, -3, 2147483647], [1.5, true, "1", null, [1], 2147483648]],
+  int_or_none: [[null, 0, -1, 7], [1.5, false, "0", [0], {}]],
+  float: [[0, 0.5, -2], ["0.5", true, null, [0.5]]],
+  bool: [[true, false], [0, 1, "true", null]],
+  ints: [[[], [1, -1]], [1, [1.5], ["1"], null]],
+  pair: [[2, [1, 2]], [[1], [1, 2, 3], null, [1.5, 1]]],
+  pair_or_none: [[null, 2, [1, 2]], [[1], "2", [null, 1]]],
+};
+
+test("graph.js checks every attr kind of the spec as the server does", () => {
+  const { graph } = engine();
+  for (const [op, spec] of Object.entries(OPS)) {
+    for (const [key, a] of Object.entries(spec.attrs || {})) {
+      const [good, bad] = a.kind === "str" ? [a.choices, ["bogus", 1, null]] : KIND_VALUES[a.kind];
+      assert.ok(good, `no test values for kind ${a.kind}`);
+      for (const value of good) graph.validate(graphWith(op, { attrs: { ...required(op), [key]: value } }));
+      for (const value of bad) {
+        const g = graphWith(op, { attrs: { ...required(op), [key]: value } });
+        assert.throws(() => graph.validate(g), new RegExp(`attr ${key}: invalid value`), `${op} ${key} ${value}`);
+      }
+    }
+  }
+});
+
 test("graph.js knows no op and no loss the spec does not name", () => {
   const { graph } = engine();
   for (const op of ["constructor", "toString", "__proto__", "conv3d"]) {
@@ -91,7 +118,25 @@ test("graph.js knows no op and no loss the spec does not name", () => {
     assert.throws(() => graph.validate(g), /unknown op/, op);
     assert.throws(() => graph.validate({ ...graphWith("relu"), loss: { op, inputs: ["n", "y"] } }), /unknown op/);
   }
-  for (const op of SPEC.graph.losses) graph.validate({ ...graphWith("relu"), loss: { op, inputs: ["n", "y"] } });
+  for (const op of Object.keys(LOSSES)) graph.validate({ ...graphWith("relu"), loss: { op, inputs: ["n", "y"] } });
+});
+
+test("graph.js fills in loss attrs and takes class weights only from a buffer, as the server does", () => {
+  const { graph } = engine();
+  const base = { ...graphWith("relu"), buffers: [{ name: "cw", shape: [4], dtype: "float32" }] };
+  const withLoss = (loss) => graph.validate({ ...base, loss: { op: "cross_entropy", ...loss } });
+  for (const op of Object.keys(LOSSES)) {
+    const { attrs } = graph.validate({ ...base, loss: { op, inputs: ["n", "y"] } }).loss;
+    assert.deepStrictEqual(here(attrs), Object.fromEntries(Object.entries(LOSSES[op].attrs || {}).map(([k, a]) => [k, a.default])));
+  }
+  assert.deepStrictEqual(here(withLoss({ inputs: ["n", "y", "cw"] }).loss.inputs), ["n", "y", "cw"]);
+  assert.deepStrictEqual(here(withLoss({ inputs: ["n", "y", null] }).loss.inputs), ["n", "y"]);
+  assert.equal(withLoss({ inputs: ["n", "y"], attrs: { ignore_index: 3 } }).loss.attrs.ignore_index, 3);
+  for (const inputs of [["n", "y", "x"], ["n", "y", "cw", "cw"], ["x", "y"], ["n", "cw"], ["n"]]) {
+    assert.throws(() => withLoss({ inputs }), /loss inputs/, JSON.stringify(inputs));
+  }
+  assert.throws(() => graph.validate({ ...base, loss: { op: "mse", inputs: ["n", "y", "cw"] } }), /loss inputs/);
+  assert.throws(() => withLoss({ inputs: ["n", "y"], attrs: { reduction: "sum" } }), /unknown attrs/);
 });
 
 test("graph.js applies the spec's format, names, dtypes and limits", () => {

@@ -12,7 +12,8 @@
   const NAME_RE = new RegExp(`^(?:${SPEC.name_pattern})$`);
   // op -> {inputs: slot names, "?" optional (may be null), "*" variadic; attrs: {name: {kind, default?}}}.
   const OPS = SPEC.ops;
-  const LOSSES = Object.fromEntries(SPEC.losses.map((op) => [op, { inputs: ["pred", "target"] }]));
+  // loss -> {inputs: [prediction, target, optional extras ("?")], attrs}, as for ops.
+  const LOSSES = SPEC.losses;
 
   function fail(msg) { throw new Error(`invalid graph: ${msg}`); }
 
@@ -46,6 +47,27 @@
     });
   }
 
+  // The server's rule for each attr kind (engine/graph.py, _norm_attr), without its rewriting of an int
+  // into a pair (runtime.js reads both). A kind missing here fails every graph that uses it.
+  const isInt = (v) => Number.isInteger(v) && Math.abs(v) <= SPEC.limits.max_int;
+  const isPair = (v) => isInt(v) || (Array.isArray(v) && v.length === 2 && v.every(isInt));
+  const KINDS = {
+    int: isInt,
+    int_or_none: (v) => v === null || isInt(v),
+    float: (v) => typeof v === "number" && Number.isFinite(v),
+    bool: (v) => typeof v === "boolean",
+    str: (v, a) => typeof v === "string" && (a.choices || []).includes(v),
+    ints: (v) => Array.isArray(v) && v.every(isInt),
+    pair: isPair,
+    pair_or_none: (v) => v === null || isPair(v),
+  };
+
+  function checkAttr(value, a, where) {
+    const check = Object.hasOwn(KINDS, a.kind) ? KINDS[a.kind] : null;
+    if (!check || !check(value, a)) fail(`${where}: invalid value ${JSON.stringify(value)} (expected ${a.kind})`);
+    return value;
+  }
+
   // The attrs with the spec's defaults filled in, as the server's loader does: the runtime reads every
   // attr from the node and keeps no defaults of its own.
   function withDefaults(node, spec) {
@@ -56,7 +78,7 @@
     if (unknown.length) fail(`${node.name}: unknown attrs [${unknown}] for op ${node.op}`);
     const out = {};
     for (const [key, a] of Object.entries(specs)) {
-      if (Object.hasOwn(attrs, key)) out[key] = attrs[key];
+      if (Object.hasOwn(attrs, key)) out[key] = checkAttr(attrs[key], a, `${node.name} attr ${key}`);
       else if (Object.hasOwn(a, "default")) out[key] = Array.isArray(a.default) ? [...a.default] : a.default;
       else fail(`${node.name}: missing required attr ${key} for op ${node.op}`);
     }
@@ -101,8 +123,22 @@
     });
     if (!known.has(graph.output)) fail(`unknown output ${graph.output}`);
     if (!graph.loss) return { ...graph, nodes };
-    const { op, inputs, attrs } = checkNode({ name: "loss", ...graph.loss }, known, LOSSES);
-    return { ...graph, nodes, loss: { op, inputs, attrs } };
+    return { ...graph, nodes, loss: checkLoss(graph) };
+  }
+
+  // The server's rule (engine/graph.py): inputs [output, a target] then the loss's optional ones (the class
+  // weights, a buffer); a trailing null is dropped. Attrs get their defaults as a node's do.
+  function checkLoss(graph) {
+    const { op, inputs: raw } = graph.loss;
+    if (typeof op !== "string" || !Object.hasOwn(LOSSES, op)) fail(`unknown op ${op} in loss`);
+    const slots = LOSSES[op].inputs;
+    const inputs = Array.isArray(raw) ? [...raw] : [];
+    while (inputs.length > 2 && inputs.length <= slots.length && inputs[inputs.length - 1] === null) inputs.pop();
+    const names = (specs) => new Set((specs || []).map((s) => s.name));
+    const ok = inputs.length >= 2 && inputs.length <= slots.length && inputs[0] === graph.output &&
+      names(graph.targets).has(inputs[1]) && inputs.slice(2).every((name) => names(graph.buffers).has(name));
+    if (!ok) fail(`loss inputs must be [output, a target, optional buffers], got ${JSON.stringify(raw)}`);
+    return { op, inputs, attrs: withDefaults({ name: "loss", ...graph.loss }, LOSSES[op]) };
   }
 
   // Accepts JSON text, bytes or an already-parsed object.

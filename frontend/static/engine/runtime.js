@@ -62,6 +62,21 @@
 
   const conv2d = ([x, w, b], a) => toNCHW(convNHWC([toNHWC(x), w, b], a));
 
+  // torch's conv_transpose2d (weight [in, out, kh, kw]) is the input gradient of a conv2d with the same
+  // stride and padding: tf.conv2dTranspose, whose forward and gradients match torch's with explicit
+  // padding (padding > kh - 1 included). output_padding only adds rows and columns at the bottom and right
+  // that the forward conv would not read, so it only enters the output shape. x is NHWC; returns NHWC.
+  function convTransposeNHWC([x, w, b], a) {
+    const [s, p, extra] = [pair(a.stride), pair(a.padding), pair(a.output_padding)];
+    const size = (i) => (x.shape[i + 1] - 1) * s[i] - 2 * p[i] + w.shape[i + 2] + extra[i];
+    const pad = [[0, 0], [p[0], p[0]], [p[1], p[1]], [0, 0]];
+    const f = tf.transpose(w, [2, 3, 1, 0]); // [in, out, kh, kw] -> [kh, kw, out, in]
+    const y = tf.conv2dTranspose(x, f, [x.shape[0], size(0), size(1), w.shape[1]], s, pad);
+    return b ? tf.add(y, b) : y;
+  }
+
+  const convTranspose2d = ([x, w, b], a) => toNCHW(convTransposeNHWC([toNHWC(x), w, b], a));
+
   // x is NHWC.
   function poolNHWC(kind) {
     return ([x], a) => {
@@ -97,13 +112,59 @@
 
   // Bins are rectangles, so the pooling separates: average the columns, then the rows.
   function adaptiveAvgPool2d([x], a) {
-    const [n, c, h, w] = x.shape;
+    const [, , h, w] = x.shape;
     const [oh, ow] = pair(a.output_size).map((v, i) => (v === null ? [h, w][i] : v));
     if (oh === 1 && ow === 1) return tf.mean(x, [2, 3], true);
-    const cols = tf.matMul(x.reshape([-1, w]), adaptiveMatrix(w, ow), false, true).reshape([n, c, h, ow]);
-    const rowsFirst = tf.transpose(cols, [0, 1, 3, 2]).reshape([-1, h]);
-    const rows = tf.matMul(rowsFirst, adaptiveMatrix(h, oh), false, true).reshape([n, c, ow, oh]);
-    return tf.transpose(rows, [0, 1, 3, 2]);
+    return separable2d(x, adaptiveMatrix(h, oh), adaptiveMatrix(w, ow));
+  }
+
+  // x [N, C, H, W] times an [out, in] matrix along H (rows) and W (cols), each null to leave that axis be:
+  // rows @ x[n, c] @ cols^T as two plain 2-D products, whose gradients are products too.
+  function separable2d(x, rows, cols) {
+    const [n, c, h, w] = x.shape;
+    const y = cols ? tf.matMul(x.reshape([-1, w]), cols, false, true).reshape([n, c, h, cols.shape[0]]) : x;
+    if (!rows) return y;
+    const ow = y.shape[3];
+    const t = tf.matMul(tf.transpose(y, [0, 1, 3, 2]).reshape([-1, h]), rows, false, true);
+    return tf.transpose(t.reshape([n, c, ow, rows.shape[0]]), [0, 1, 3, 2]);
+  }
+
+  // ---- interpolation ------------------------------------------------------------------------------
+  // tf.image.resizeNearestNeighbor / resizeBilinear compute torch's forward (nearest: alignCorners and
+  // halfPixelCenters false; bilinear: halfPixelCenters unless align_corners), but their TF.js 4.22
+  // gradients are wrong (nearest: scattered to the wrong pixels; bilinear: ignores halfPixelCenters and
+  // breaks on non-square images). So interpolation is a matrix per axis, its taps computed in float32
+  // exactly as torch's CPU kernels compute them (aten/src/ATen/native/UpSample.h).
+  const f32 = Math.fround;
+
+  // nearest: source floor(i * in/out) (not half-pixel).
+  const nearestTaps = (i, inSize, outSize) => [[Math.min(Math.floor(f32(i * f32(inSize / outSize))), inSize - 1), 1]];
+
+  // bilinear: source i * (in-1)/(out-1) with align_corners, else (i + 0.5) * in/out - 0.5 clamped at 0.
+  function linearTaps(i, inSize, outSize, alignCorners) {
+    let src = 0;
+    if (alignCorners) src = outSize > 1 ? f32(f32((inSize - 1) / (outSize - 1)) * i) : 0;
+    else src = Math.max(0, f32(f32(f32(inSize / outSize) * (i + 0.5)) - 0.5));
+    const i0 = Math.min(Math.floor(src), inSize - 1);
+    const l1 = Math.min(Math.max(f32(src - i0), 0), 1);
+    return [[i0, f32(1 - l1)], [Math.min(i0 + 1, inSize - 1), l1]];
+  }
+
+  // [out, in]: row i holds output i's source weights; null where the size does not change (identity).
+  function resampleMatrix(inSize, outSize, a) {
+    if (inSize === outSize) return null;
+    const m = new Float32Array(outSize * inSize);
+    for (let i = 0; i < outSize; i++) {
+      const taps = a.mode === "nearest" ? nearestTaps(i, inSize, outSize) : linearTaps(i, inSize, outSize, a.align_corners);
+      for (const [j, weight] of taps) m[i * inSize + j] += weight;
+    }
+    return tf.tensor2d(m, [outSize, inSize]);
+  }
+
+  function interpolate([x], a) {
+    const [, , h, w] = x.shape;
+    const [oh, ow] = pair(a.size);
+    return separable2d(x, resampleMatrix(h, oh, a), resampleMatrix(w, ow, a));
   }
 
   // ---- normalization ------------------------------------------------------------------------------
@@ -133,6 +194,18 @@
   }
 
   const batchNorm = (args, a, ctx) => batchNormAt(args, a, ctx, 1);
+
+  // torch's group norm: statistics over each sample's groups of channels (biased variance, like tf.moments),
+  // then a per-channel affine. Reads [N, C, ...] in the graph's layout.
+  function groupNorm([x, w, b], a) {
+    const grouped = x.reshape([x.shape[0], a.num_groups, -1]);
+    const { mean, variance } = tf.moments(grouped, 2, true);
+    let y = tf.mul(tf.sub(grouped, mean), tf.rsqrt(tf.add(variance, a.eps))).reshape(x.shape);
+    const perChannel = [x.shape[1], ...Array(x.rank - 2).fill(1)];
+    if (w) y = tf.mul(y, w.reshape(perChannel));
+    if (b) y = tf.add(y, b.reshape(perChannel));
+    return y;
+  }
 
   function layerNorm([x, w, b], a) {
     const count = a.normalized_shape.length;
@@ -208,6 +281,32 @@
     return tf.mul(tf.mul(x, 0.5), tf.add(tf.erf(tf.mul(x, Math.SQRT1_2)), 1));
   }
 
+  // torch's formulas: relu6(x + 3) / 6 and x * relu6(x + 3) / 6; their gradients follow from relu6's.
+  const hardsigmoid = ([x]) => tf.div(tf.relu6(tf.add(x, 3)), 6);
+  const hardswish = ([x]) => tf.div(tf.mul(x, tf.relu6(tf.add(x, 3))), 6);
+
+  // tf.elu has alpha 1. Otherwise relu(x) + alpha * (exp(min(x, 0)) - 1): each term is zero on the other's
+  // side, exp never overflows, and the gradient at 0 is alpha as torch's (tf.where would need one for its
+  // condition, which TF.js lacks).
+  function elu([x], a) {
+    if (a.alpha === 1) return tf.elu(x);
+    return tf.add(tf.relu(x), tf.mul(tf.sub(tf.exp(tf.minimum(x, 0)), 1), a.alpha));
+  }
+
+  // Empty dims reduce over every dim, as torch.sum(x, []) and torch.mean(x, []) do.
+  const reduce = (fn) => ([x], a) =>
+    fn(x, a.dims.length ? a.dims.map((d) => axis(d, x.rank)) : null, a.keepdim);
+
+  // torch's dropout (noise null) and dropout2d (one draw per sample and channel: noise [N, C, 1, ...], or
+  // [N, 1, 1, C] channels last). tf.dropout refuses p = 1, where torch zeroes everything.
+  function dropoutWith(x, p, ctx, noise) {
+    if (!ctx.training || p === 0) return x;
+    return p === 1 ? tf.mul(x, 0) : tf.dropout(x, p, noise);
+  }
+
+  const dropout2dAt = ([x], a, ctx, channel) =>
+    dropoutWith(x, a.p, ctx, x.shape.map((d, i) => (i === 0 || i === channel ? d : 1)));
+
   function causalMask(l, s) {
     const m = new Float32Array(l * s);
     for (let i = 0; i < l; i++) for (let j = i + 1; j < s; j++) m[i * s + j] = -1e9; // exp() underflows to 0
@@ -227,9 +326,24 @@
     return perm;
   }
 
-  function embedding([ids, w]) {
-    const flat = tf.gather(w, ids.reshape([-1]).toInt());
-    return flat.reshape([...ids.shape, w.shape[1]]);
+  // Identity forward; backward passes the gradient only where `keep` (broadcast against x) is 1. Made per
+  // call: `tf` does not exist yet when this script loads in Node (tests/js).
+  function maskGradient(x, keep) {
+    return tf.customGrad((t, k, save) => {
+      save([k]); // kept by TF.js for the backward pass, which runs after the forward's tensors are gone
+      return { value: tf.clone(t), gradFunc: (dy, [saved]) => [tf.mul(dy, saved), tf.zerosLike(saved)] };
+    })(x, keep);
+  }
+
+  // With padding_idx, that row is looked up as usual but never receives a gradient (torch's padding_idx).
+  function embedding([ids, w], a) {
+    const flatIds = ids.reshape([-1]).toInt();
+    let rows = tf.gather(w, flatIds);
+    if (a.padding_idx !== null && a.padding_idx !== undefined) {
+      const keep = tf.notEqual(flatIds, axis(a.padding_idx, w.shape[0])).toFloat().expandDims(1);
+      rows = maskGradient(rows, keep);
+    }
+    return rows.reshape([...ids.shape, w.shape[1]]);
   }
 
   // ---- op table: one kernel per op of engine/spec.json (tests/js/shared_facts.test.mjs) ---------------
@@ -249,7 +363,7 @@
     gelu,
     softmax: ([x], a) => softmax(x, a.dim),
     log_softmax: ([x], a) => logSoftmax(x, a.dim),
-    dropout: ([x], a, ctx) => (ctx.training && a.p > 0 ? tf.dropout(x, a.p) : x),
+    dropout: ([x], a, ctx) => dropoutWith(x, a.p, ctx, null),
     max_pool2d: pool2d("max"),
     avg_pool2d: pool2d("avg"),
     adaptive_avg_pool2d: adaptiveAvgPool2d,
@@ -267,19 +381,49 @@
     split,
     scaled_dot_product_attention: attention,
     arange_embedding: ([x, w]) => tf.slice(w, [0, 0], [x.shape[1], -1]),
+    interpolate,
+    conv_transpose2d: convTranspose2d,
+    silu: ([x]) => tf.mul(x, tf.sigmoid(x)),
+    hardswish,
+    hardsigmoid,
+    leaky_relu: ([x], a) => tf.leakyRelu(x, a.negative_slope), // its gradient is torch's, slope at 0
+    elu,
+    group_norm: groupNorm,
+    reduce_mean: reduce((x, axes, keep) => tf.mean(x, axes, keep)), // `tf` is read per call (see maskGradient)
+    reduce_sum: reduce((x, axes, keep) => tf.sum(x, axes, keep)),
+    add_scalar: ([x], a) => tf.add(x, a.value),
+    dropout2d: (args, a, ctx) => dropout2dAt(args, a, ctx, 1),
   };
 
   // Class dim is last: logits [N,C] with targets [N], or [N,T,C] with [N,T]; mean over all positions.
-  function crossEntropy([logits, target]) {
+  // torch's F.cross_entropy, mean reduction (aten/src/ATen/native/LossNLL.cpp): positions whose target is
+  // ignore_index count nowhere; the rest count by their target's class weight (1 without weights), and both
+  // the picked and the label-smoothing terms are divided by the sum of those counts.
+  function crossEntropy([logits, target, weight], a) {
     const c = logits.shape[logits.rank - 1];
     const logp = logSoftmax(logits.reshape([-1, c]), 1);
-    const picked = tf.sum(tf.mul(logp, tf.oneHot(target.reshape([-1]).toInt(), c)), 1);
-    return tf.neg(tf.mean(picked));
+    const ids = target.reshape([-1]).toInt();
+    const oneHot = tf.oneHot(ids, c); // all zeros for an out-of-range ignore_index such as -100
+    const kept = tf.notEqual(ids, tf.scalar(a.ignore_index, "int32")).toFloat();
+    const counts = weight ? tf.mul(kept, tf.sum(tf.mul(oneHot, weight), 1)) : kept;
+    let total = tf.mul(tf.sum(tf.mul(tf.sum(tf.mul(logp, oneHot), 1), counts)), 1 - a.label_smoothing);
+    if (a.label_smoothing > 0) {
+      const everyClass = tf.sum(weight ? tf.mul(logp, weight) : logp, 1);
+      total = tf.add(total, tf.mul(tf.sum(tf.mul(everyClass, kept)), a.label_smoothing / c));
+    }
+    return tf.neg(tf.div(total, tf.sum(counts)));
+  }
+
+  // torch's l1 gradient is sign(d), 0 at d = 0; tf.abs's is -1 there, so |d| is written d * sign(d).
+  function l1([pred, target]) {
+    const d = tf.sub(pred, target);
+    return tf.mean(tf.mul(d, tf.sign(d)));
   }
 
   const LOSSES = {
     cross_entropy: crossEntropy,
     mse: ([pred, target]) => tf.mean(tf.squaredDifference(pred, target)),
+    l1,
   };
 
   // ---- model: params as trainable variables, buffers as non-trainable ones -----------------------
@@ -329,7 +473,10 @@
   // makes stays NHWC while it flows through ops that do not care about layout (below); it is transposed
   // to the graph's NCHW only when an op needs that, once however many nodes read it. Semantics are the
   // graph's exactly: only where the data sits in memory changes.
-  const UNARY = new Set(["relu", "tanh", "sigmoid", "gelu", "dropout", "scale"]);
+  const UNARY = new Set([
+    "relu", "tanh", "sigmoid", "gelu", "dropout", "scale", "silu", "hardswish", "hardsigmoid", "leaky_relu", "elu",
+    "add_scalar",
+  ]);
   const BINARY = new Set(["add", "sub", "mul", "div"]);
   const NHWC_POOLS = { max_pool2d: poolNHWC("max"), avg_pool2d: poolNHWC("avg") };
   const isGlobalPool = (a) => { const [h, w] = pair(a.output_size); return h === 1 && w === 1; };
@@ -339,9 +486,11 @@
   function nhwcKernel(node, nhwc) {
     const [first, second] = node.inputs;
     if (node.op === "conv2d") return convNHWC; // converts its input if need be: it has to anyway
+    if (node.op === "conv_transpose2d") return convTransposeNHWC;
     if (first === null || !nhwc.has(first)) return null;
     if (UNARY.has(node.op)) return OPS[node.op];
     if (node.op === "batch_norm") return (args, a, ctx) => batchNormAt(args, a, ctx, 3);
+    if (node.op === "dropout2d") return (args, a, ctx) => dropout2dAt(args, a, ctx, 3);
     if (NHWC_POOLS[node.op]) return NHWC_POOLS[node.op];
     if (node.op === "adaptive_avg_pool2d" && isGlobalPool(node.attrs || {})) return ([x]) => tf.mean(x, [1, 2], true);
     const sameShape = (p, q) => p.shape.every((d, i) => d === q.shape[i]);
@@ -375,8 +524,9 @@
       else env.set(node.name, OPS[node.op](args, node.attrs || {}, ctx));
     }
     const lossSpec = model.graph.loss;
-    const haveTargets = lossSpec && lossSpec.inputs.every((name) => env.has(name) || nhwc.has(name));
-    const loss = haveTargets ? LOSSES[lossSpec.op](lossSpec.inputs.map(get), lossSpec.attrs || {}) : null;
+    const lossInputs = lossSpec ? lossSpec.inputs.filter((name) => name !== null) : [];
+    const haveTargets = lossSpec && lossInputs.every((name) => env.has(name) || nhwc.has(name));
+    const loss = haveTargets ? LOSSES[lossSpec.op](lossInputs.map(get), lossSpec.attrs || {}) : null;
     return { output: get(model.graph.output), loss, updates };
   }
 

@@ -110,7 +110,13 @@
         "inputs": [
           "ids",
           "weight"
-        ]
+        ],
+        "attrs": {
+          "padding_idx": {
+            "kind": "int_or_none",
+            "default": null
+          }
+        }
       },
       "relu": {
         "inputs": [
@@ -356,12 +362,192 @@
           "x",
           "weight"
         ]
+      },
+      "silu": {
+        "inputs": [
+          "x"
+        ]
+      },
+      "hardswish": {
+        "inputs": [
+          "x"
+        ]
+      },
+      "hardsigmoid": {
+        "inputs": [
+          "x"
+        ]
+      },
+      "leaky_relu": {
+        "inputs": [
+          "x"
+        ],
+        "attrs": {
+          "negative_slope": {
+            "kind": "float",
+            "default": 0.01
+          }
+        }
+      },
+      "elu": {
+        "inputs": [
+          "x"
+        ],
+        "attrs": {
+          "alpha": {
+            "kind": "float",
+            "default": 1.0
+          }
+        }
+      },
+      "group_norm": {
+        "inputs": [
+          "x",
+          "weight?",
+          "bias?"
+        ],
+        "attrs": {
+          "num_groups": {
+            "kind": "int"
+          },
+          "eps": {
+            "kind": "float",
+            "default": 1e-05
+          }
+        }
+      },
+      "reduce_mean": {
+        "inputs": [
+          "x"
+        ],
+        "attrs": {
+          "dims": {
+            "kind": "ints"
+          },
+          "keepdim": {
+            "kind": "bool",
+            "default": false
+          }
+        }
+      },
+      "reduce_sum": {
+        "inputs": [
+          "x"
+        ],
+        "attrs": {
+          "dims": {
+            "kind": "ints"
+          },
+          "keepdim": {
+            "kind": "bool",
+            "default": false
+          }
+        }
+      },
+      "add_scalar": {
+        "inputs": [
+          "x"
+        ],
+        "attrs": {
+          "value": {
+            "kind": "float"
+          }
+        }
+      },
+      "dropout2d": {
+        "inputs": [
+          "x"
+        ],
+        "attrs": {
+          "p": {
+            "kind": "float"
+          }
+        }
+      },
+      "interpolate": {
+        "inputs": [
+          "x"
+        ],
+        "attrs": {
+          "size": {
+            "kind": "pair"
+          },
+          "mode": {
+            "kind": "str",
+            "default": "nearest",
+            "choices": [
+              "nearest",
+              "bilinear"
+            ]
+          },
+          "align_corners": {
+            "kind": "bool",
+            "default": false
+          }
+        }
+      },
+      "conv_transpose2d": {
+        "inputs": [
+          "x",
+          "weight",
+          "bias?"
+        ],
+        "attrs": {
+          "stride": {
+            "kind": "pair",
+            "default": [
+              1,
+              1
+            ]
+          },
+          "padding": {
+            "kind": "pair",
+            "default": [
+              0,
+              0
+            ]
+          },
+          "output_padding": {
+            "kind": "pair",
+            "default": [
+              0,
+              0
+            ]
+          }
+        }
       }
     },
-    "losses": [
-      "cross_entropy",
-      "mse"
-    ]
+    "losses": {
+      "cross_entropy": {
+        "inputs": [
+          "pred",
+          "target",
+          "weight?"
+        ],
+        "attrs": {
+          "label_smoothing": {
+            "kind": "float",
+            "default": 0.0
+          },
+          "ignore_index": {
+            "kind": "int",
+            "default": -100
+          }
+        }
+      },
+      "mse": {
+        "inputs": [
+          "pred",
+          "target"
+        ]
+      },
+      "l1": {
+        "inputs": [
+          "pred",
+          "target"
+        ]
+      }
+    }
   },
   "protocol": {
     "version": 1,

@@ -102,7 +102,7 @@ class Command(BaseCommand):
         parser.add_argument("model", help="The module and class, e.g. mypkg.models:Net (built with no args).")
         parser.add_argument("--input-shape", required=True, type=parse_shape, help="One sample: 1,28,28.")
         parser.add_argument("--input-dtype", default="float32", choices=["float32", "int64"])
-        parser.add_argument("--loss", default="cross_entropy", choices=["cross_entropy", "mse"])
+        parser.add_argument("--loss", default="cross_entropy", choices=["cross_entropy", "mse", "l1"])
         target = parser.add_mutually_exclusive_group(required=True)
         target.add_argument("--output", type=Path, help="Write graph.json and weights.safetensors here.")
         target.add_argument("--project-name", help="Create a project with this name instead.")

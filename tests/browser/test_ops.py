@@ -1,0 +1,77 @@
+"""Browser kernels whose results are random, checked by their structure rather than against PyTorch's draws:
+dropout2d keeps or drops whole channels (one draw per sample and channel, both on NCHW values and on the
+NHWC ones convolutions leave) and scales what it keeps by 1 / (1 - p); at p = 1 it drops everything."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tests.browser import graphs
+from tests.browser.graphs import node, spec
+from tests.browser.parity import b64
+from tests.browser.test_parity import BACKENDS, browser_run
+
+pytestmark = pytest.mark.browser
+
+
+def dropout2d_graph(p: float) -> graphs.Graph:
+    """[dropout2d(conv(x)), dropout2d(x)] along the channels: the first reads NHWC, the second NCHW."""
+    nodes = [
+        node("dx", "dropout2d", ["x"], p=p),  # before the conv, which gives x an NHWC form too
+        node("c", "conv2d", ["x", "w", None]),
+        node("d", "dropout2d", ["c"], p=p),
+        node("cat", "concat", ["d", "dx"], dim=1),
+    ]
+    inputs, targets = [spec("x", [-1, 8, 3, 3])], [spec("y", [-1, 16, 3, 3])]
+    return graphs.graph("dropout2d", inputs, targets, [spec("w", [8, 8, 1, 1])], [], nodes, "cat", "mse")
+
+
+def run(page: Any, backend: str, p: float) -> tuple[dict[str, Any], torch.Tensor]:
+    """The browser's training-mode output and gradients, and the output if every channel were kept."""
+    g = dropout2d_graph(p)
+    gen = torch.Generator().manual_seed(2)
+    weights = {"w": torch.randn(8, 8, 1, 1, generator=gen)}
+    batch = {"x": torch.randn(16, 8, 3, 3, generator=gen), "y": torch.randn(16, 16, 3, 3, generator=gen)}
+    kept_all = torch.cat([F.conv2d(batch["x"], weights["w"]), batch["x"]], 1) / (1 - p if p < 1 else 1)
+    return browser_run(page, backend, g, weights, batch), kept_all
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_dropout2d_keeps_or_drops_whole_channels(harness: Any, backend: str) -> None:
+    got, kept_all = run(harness, backend, 0.5)
+    planes = got["output"].flatten(2)  # [N, C, H*W]
+    kept = planes.abs().amax(-1) > 0  # per sample and channel
+    torch.testing.assert_close(planes, kept_all.flatten(2) * kept[..., None], rtol=1e-5, atol=1e-5)
+    for half in (kept[:, :8], kept[:, 8:]):  # 128 draws each, p = 0.5: far from all or none
+        assert 0.25 < half.float().mean() < 0.75
+    assert got["grads"]["w"].abs().amax() > 0
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_dropout2d_at_p_1_drops_everything(harness: Any, backend: str) -> None:
+    got, _ = run(harness, backend, 1.0)
+    assert not got["output"].any() and not got["grads"]["w"].any()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("name", ["blocks", "padding"])
+def test_the_new_kernels_leak_no_tensor(harness: Any, backend: str, name: str) -> None:
+    """Training steps through every new kernel (dropout2d's random path and embedding's custom gradient
+    included) hold the same tensors after each step, and none once the model is gone."""
+    g = graphs.HAND_MADE[name]()
+    for n in g["nodes"]:
+        if n["op"] == "dropout2d":
+            n["attrs"]["p"] = 0.3
+    assert harness.evaluate("b => harness.useBackend(b)", backend) == backend
+    before = harness.evaluate("() => tf.memory().numTensors")
+    r = harness.evaluate(
+        "([g, w, b]) => harness.trainSteps(g, w, b, 4, 'SGD', {lr: 0.01, momentum: 0.9})",
+        [json.dumps(g), b64(graphs.init_weights(g, 5)), b64(graphs.batch_for(g, 4, 6))],
+    )
+    assert len(set(r["counts"])) == 1, r["counts"]
+    assert harness.evaluate("() => tf.memory().numTensors") == before
