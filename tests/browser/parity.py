@@ -51,14 +51,19 @@ def max_errors(got: Tensors, want: Tensors, floor: float = 1e-12) -> dict[str, f
 def gradient_floor(grads: Tensors) -> float:
     """1e-6 of the largest gradient anywhere: a gradient that is exactly zero in theory (e.g. attention
     key biases, which softmax cancels) is compared against the model's gradient scale, not ~1e-19."""
-    return 1e-6 * max(float(t.abs().max()) for t in grads.values() if t.numel())
+    return _largest(grads, 1e-6)
 
 
 def buffer_floor(buffers: Tensors) -> float:
     """1e-4 of the largest buffer value: a running mean that is exactly zero in theory (batch norm after a
     bias-free conv of batch-normed channels) is float32 noise of ~1e-9, compared against the scale of the
     model's statistics rather than against itself."""
-    return 1e-4 * max((float(t.abs().max()) for t in buffers.values() if t.numel()), default=0.0)
+    return _largest(buffers, 1e-4)
+
+
+def _largest(tensors: Tensors, fraction: float) -> float:
+    """`fraction` of the largest magnitude in any of `tensors` (0 when there are none)."""
+    return fraction * max((float(t.abs().max()) for t in tensors.values() if t.numel()), default=0.0)
 
 
 def record(name: str, data: Any) -> None:

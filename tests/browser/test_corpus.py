@@ -14,6 +14,7 @@ from tests.browser import graphs
 from tests.browser.test_parity import BACKENDS, compare, float64_gradients, torch_reference, without_dropout
 from tests.browser.test_parity import browser_run as run_in_browser
 from tests.engine.corpus import CORPUS
+from tests.engine.test_corpus import batch
 
 pytestmark = pytest.mark.browser
 BATCH = 3
@@ -27,15 +28,8 @@ def exported(name: str) -> tuple[graphs.Graph, graphs.Tensors]:
 
 
 def batch_for(name: str, g: graphs.Graph) -> graphs.Tensors:
-    spec, gen = CORPUS[name], torch.Generator().manual_seed(7)
-    if spec.input_dtype == "int64":
-        x = torch.randint(0, spec.vocab, (BATCH, *spec.input_shape), generator=gen)
-    else:
-        x = torch.randn((BATCH, *spec.input_shape), generator=gen)
-    target_shape = [BATCH if d == -1 else d for d in g["targets"][0]["shape"]]
-    if spec.classes:
-        return {"x": x, "y": torch.randint(0, spec.classes, target_shape, generator=gen)}
-    return {"x": x, "y": torch.randn(target_shape, generator=gen)}
+    x, y = batch(CORPUS[name], BATCH, g["targets"][0]["shape"])
+    return {"x": x, "y": y}
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
