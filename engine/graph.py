@@ -452,7 +452,7 @@ def _meta_values(graph: Graph, batch: int) -> dict[str, torch.Tensor]:
         args = [None if n is None else values[n] for n in node.inputs]
         try:
             values[node.name] = ops.run_op(node.op, args, node.attrs, False)
-        except (RuntimeError, ValueError, IndexError, TypeError, OverflowError) as exc:
+        except (RuntimeError, ValueError, IndexError, TypeError, ArithmeticError) as exc:
             shapes = [None if a is None else list(a.shape) for a in args]
             raise _fail(
                 f"node '{node.name}' ({node.op}): {_first_line(exc)} (input shapes {shapes})"
