@@ -14,7 +14,7 @@ from typing import Self
 
 import psycopg
 
-from crowdtrain.management.commands.runplatform import validator_args, worker_args
+from config.management.commands.runplatform import validator_args, worker_args
 
 ROOT = Path(__file__).resolve().parents[1]
 PYTHON = sys.executable
@@ -59,7 +59,7 @@ class Stack:
             CROWDTRAIN_ADMIN_USER="admin",
             CROWDTRAIN_ADMIN_PASSWORD="admin-e2e-password",
             CROWDTRAIN_EVAL_EVERY="5",
-            DJANGO_SETTINGS_MODULE="crowdtrain.settings",
+            DJANGO_SETTINGS_MODULE="config.settings",
             PYTHONUNBUFFERED="1",
         )
         env.update(self.extra_env)
@@ -107,16 +107,16 @@ class Stack:
             str(129 * 2**20),
             "--websocket-max-frame-size",
             str(129 * 2**20),
-            "crowdtrain.asgi:application",
+            "config.asgi:application",
         )
-        self._spawn("worker", "-m", "celery", "-A", "crowdtrain", *worker_args(), "-l", "info")
-        self._spawn("validator", "-m", "celery", "-A", "crowdtrain", *validator_args(), "-l", "info")
+        self._spawn("worker", "-m", "celery", "-A", "config", *worker_args(), "-l", "info")
+        self._spawn("validator", "-m", "celery", "-A", "config", *validator_args(), "-l", "info")
         self._spawn(
             "beat",
             "-m",
             "celery",
             "-A",
-            "crowdtrain",
+            "config",
             "beat",
             "-l",
             "info",

@@ -13,7 +13,7 @@ wait_for_db() {
     python - <<'PY'
 import os, sys, time
 import django
-os.environ.setdefault("DJANGO_SETTINGS_MODULE", "crowdtrain.settings")
+os.environ.setdefault("DJANGO_SETTINGS_MODULE", "config.settings")
 django.setup()
 from django.db import connection
 for attempt in range(60):
@@ -35,22 +35,22 @@ case "$role" in
         python manage.py collectstatic --noinput
         limit=$(( ${CROWDTRAIN_MAX_RESULT_BYTES:-134217728} + 1048576 ))  # results are single WebSocket frames
         exec daphne --proxy-headers -b 0.0.0.0 -p "${PORT:-8000}" \
-            --websocket-max-message-size "$limit" --websocket-max-frame-size "$limit" crowdtrain.asgi:application
+            --websocket-max-message-size "$limit" --websocket-max-frame-size "$limit" config.asgi:application
         ;;
     worker)
         wait_for_db
         # Both queues (validations have their own, see CELERY_TASK_ROUTES); solo: see runplatform's
         # worker_args. Scale with more worker containers.
-        exec celery -A crowdtrain worker -Q celery,validation --pool solo -l "${CELERY_LOG_LEVEL:-info}"
+        exec celery -A config worker -Q celery,validation --pool solo -l "${CELERY_LOG_LEVEL:-info}"
         ;;
     validator)
         wait_for_db
         # Validations and the spot checks' recomputations only (runplatform's validator_args): a round's
         # results arrive together. Scale with `docker compose up --scale validator=N`.
-        exec celery -A crowdtrain worker -Q validation --pool solo -l "${CELERY_LOG_LEVEL:-info}"
+        exec celery -A config worker -Q validation --pool solo -l "${CELERY_LOG_LEVEL:-info}"
         ;;
     beat)
-        exec celery -A crowdtrain beat -l "${CELERY_LOG_LEVEL:-info}" -s /app/var/beat/celerybeat-schedule
+        exec celery -A config beat -l "${CELERY_LOG_LEVEL:-info}" -s /app/var/beat/celerybeat-schedule
         ;;
     migrate)
         wait_for_db

@@ -22,7 +22,7 @@ from urllib.parse import parse_qs
 
 from channels.auth import AuthMiddlewareStack
 
-from crowdtrain.db import database_sync_to_async
+from config.db import database_sync_to_async
 from projects.blobs import GRANT, Access, blob_access, blob_readable
 from projects.models import Blob
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 from asgiref.sync import async_to_sync
 from channels.layers import get_channel_layer
 
-from crowdtrain.celery import app
+from config.celery import app
 
 VOLUNTEERS_GROUP = "volunteers"
 

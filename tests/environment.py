@@ -14,4 +14,4 @@ os.environ.setdefault("CELERY_TASK_ALWAYS_EAGER", "1")
 os.environ.setdefault("CROWDTRAIN_VAR_DIR", tempfile.mkdtemp(prefix="crowdtrain-test-"))
 # WhiteNoise warns on every request when STATIC_ROOT is missing; tests serve static files from the finders.
 os.makedirs(os.path.join(os.environ["CROWDTRAIN_VAR_DIR"], "static"), exist_ok=True)
-os.environ.setdefault("DJANGO_SETTINGS_MODULE", "crowdtrain.settings")
+os.environ.setdefault("DJANGO_SETTINGS_MODULE", "config.settings")

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-FIRST_PARTY = ("crowdtrain", "engine", "frontend", "projects", "workers")
+FIRST_PARTY = ("config", "engine", "frontend", "projects", "workers")
 # projects/ services, lowest first: each imports only modules of the layers below its own.
 LAYERS = (
     ("projects.models", "projects.notify"),
@@ -23,7 +23,7 @@ LAYERS = (
     ("projects.validation", "projects.training"),
     ("projects.tasks",),
 )
-PLATFORM = ("django", "channels", "celery", "rest_framework", "crowdtrain", "projects", "workers", "frontend")
+PLATFORM = ("django", "channels", "celery", "rest_framework", "config", "projects", "workers", "frontend")
 
 Graph = Mapping[str, set[str]]
 

@@ -19,7 +19,7 @@ from channels.generic.websocket import AsyncWebsocketConsumer
 from django.conf import settings
 from redis.exceptions import RedisError
 
-from crowdtrain.db import database_sync_to_async
+from config.db import database_sync_to_async
 from projects import notify
 from projects.lifecycle import (
     MAX_IN_FLIGHT,

@@ -53,7 +53,7 @@ SETTINGS = [
 
 
 def fashion() -> tuple[torch.Tensor, ...]:
-    os.environ.setdefault("DJANGO_SETTINGS_MODULE", "crowdtrain.settings")
+    os.environ.setdefault("DJANGO_SETTINGS_MODULE", "config.settings")
     django.setup()  # the dataset loader lives in a Django app
     from projects.demo import fashion_npz
 

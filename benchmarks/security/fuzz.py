@@ -67,7 +67,7 @@ def give_up_seconds() -> float:
     """projects.lifecycle's bound on unjudged results (importing it needs Django set up)."""
     import django
 
-    os.environ.setdefault("DJANGO_SETTINGS_MODULE", "crowdtrain.settings")
+    os.environ.setdefault("DJANGO_SETTINGS_MODULE", "config.settings")
     django.setup()
     from projects.lifecycle import VALIDATION_GIVE_UP_SECONDS
 

@@ -47,7 +47,7 @@ MIB = 2**20
 def setup_django() -> tuple[Any, str]:
     os.environ.setdefault("DATABASE_URL", "postgres://postgres@127.0.0.1:5432/crowdtrain_uploads_bench")
     os.environ.setdefault("CROWDTRAIN_VAR_DIR", tempfile.mkdtemp(prefix="crowdtrain-uploads-bench-"))
-    os.environ.setdefault("DJANGO_SETTINGS_MODULE", "crowdtrain.settings")
+    os.environ.setdefault("DJANGO_SETTINGS_MODULE", "config.settings")
     os.environ.setdefault("CELERY_TASK_ALWAYS_EAGER", "1")
     import django
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import psycopg
 
-from crowdtrain import supervisor
+from config import supervisor
 from devstack.stack import PYTHON, ROOT, Stack, free_port
 
 logger = logging.getLogger(__name__)

@@ -13,7 +13,7 @@ from asgiref.sync import async_to_sync
 from channels.testing import HttpCommunicator
 from django.contrib.auth.models import User
 
-from crowdtrain.asgi import application
+from config.asgi import application
 from projects.blobs import blob_put
 from projects.models import Blob, Dataset, Project
 

@@ -13,7 +13,7 @@ from django.conf import settings
 from django.contrib.auth.models import User
 from django.test import Client
 
-from crowdtrain.asgi import application
+from config.asgi import application
 from projects.lifecycle import results_release
 from projects.models import Project, WorkUnit
 from projects.tasks import feed_work_units

@@ -19,7 +19,7 @@ def test_check_deploy_is_clean_in_production() -> None:
         "DJANGO_ENV": "production",
         "DJANGO_SECRET_KEY": "".join(secrets.choice(alphabet) for _ in range(50)),
         "DJANGO_ALLOWED_HOSTS": "example.org",
-        "DJANGO_SETTINGS_MODULE": "crowdtrain.settings",
+        "DJANGO_SETTINGS_MODULE": "config.settings",
     }
     done = subprocess.run(
         [sys.executable, "manage.py", "check", "--deploy", "--fail-level", "WARNING"],

@@ -35,8 +35,8 @@ def test_repository_platform_dir_is_not_a_package() -> None:
     "argv",
     [
         pytest.param([sys.executable, "manage.py", "shell", "-c", REPORT], id="manage.py"),
-        pytest.param([sys.executable, "-c", f"import crowdtrain.asgi; {REPORT}"], id="asgi"),
-        pytest.param([sys.executable, "-c", f"from crowdtrain import celery_app; {REPORT}"], id="celery-app"),
+        pytest.param([sys.executable, "-c", f"import config.asgi; {REPORT}"], id="asgi"),
+        pytest.param([sys.executable, "-c", f"from config import celery_app; {REPORT}"], id="celery-app"),
     ],
 )
 def test_platform_is_the_stdlib_module(argv: list[str]) -> None:
@@ -44,10 +44,10 @@ def test_platform_is_the_stdlib_module(argv: list[str]) -> None:
 
 
 def test_celery_cli_sees_the_stdlib_platform() -> None:
-    """`celery -A crowdtrain report` imports the app from the repository root and prints platform info."""
+    """`celery -A config report` imports the app from the repository root and prints platform info."""
     import platform
 
     celery = Path(sys.executable).parent / "celery"
     argv = [str(celery)] if celery.exists() else [sys.executable, "-m", "celery"]
-    out = run(*argv, "-A", "crowdtrain", "report")
+    out = run(*argv, "-A", "config", "report")
     assert f"system:{platform.system()}" in out

@@ -21,7 +21,7 @@ from django.contrib.auth.models import User
 from django.core.signing import TimestampSigner, b62_encode
 from django.test import Client
 
-from crowdtrain.asgi import application
+from config.asgi import application
 from projects.blobs import blob_put
 from projects.lifecycle import work_unit_assign
 from projects.models import Blob, ModelVersion, Project, Result

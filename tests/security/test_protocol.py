@@ -19,7 +19,7 @@ from django.conf import settings
 from django.contrib.auth.models import User
 from django.core.cache import cache
 
-from crowdtrain.asgi import application
+from config.asgi import application
 from engine import spec
 from projects import notify
 from projects.models import Blob, Project, Result, WorkUnit

@@ -12,8 +12,8 @@ from typing import Any
 from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError
 
-from crowdtrain import supervisor
-from crowdtrain.supervisor import Child, emit
+from config import supervisor
+from config.supervisor import Child, emit
 
 ANY_ADDRESS = {"0.0.0.0", "::", ""}
 
@@ -41,11 +41,11 @@ def validator_args() -> list[str]:
 def platform_children(host: str, port: int, beat_schedule: Path) -> list[Child]:
     """daphne, two celery workers and celery beat, all run by this very interpreter."""
     python = [sys.executable, "-m"]
-    celery = [*python, "celery", "-A", "crowdtrain"]
+    celery = [*python, "celery", "-A", "config"]
     return [
         Child(
             "web",
-            [*python, "daphne", "-b", host, "-p", str(port), *daphne_limits(), "crowdtrain.asgi:application"],
+            [*python, "daphne", "-b", host, "-p", str(port), *daphne_limits(), "config.asgi:application"],
         ),
         Child("worker", [*celery, *worker_args(), "-l", "info"]),
         Child("validator", [*celery, *validator_args(), "-l", "info"]),

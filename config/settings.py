@@ -44,7 +44,7 @@ INSTALLED_APPS = [
     "projects",
     "workers",
     "frontend",
-    "crowdtrain",  # management commands: runplatform, ensure_admin
+    "config",  # management commands: runplatform, ensure_admin
     "django_ratelimit",  # its system checks catch a cache that cannot count (see SILENCED_SYSTEM_CHECKS)
 ]
 
@@ -59,8 +59,8 @@ MIDDLEWARE = [
     "django.middleware.clickjacking.XFrameOptionsMiddleware",
 ]
 
-ROOT_URLCONF = "crowdtrain.urls"
-ASGI_APPLICATION = "crowdtrain.asgi.application"
+ROOT_URLCONF = "config.urls"
+ASGI_APPLICATION = "config.asgi.application"
 WSGI_APPLICATION = None
 
 TEMPLATES = [

@@ -4,7 +4,7 @@ from typing import Any
 from celery import Celery
 from celery.signals import worker_init
 
-os.environ.setdefault("DJANGO_SETTINGS_MODULE", "crowdtrain.settings")
+os.environ.setdefault("DJANGO_SETTINGS_MODULE", "config.settings")
 
 app = Celery("crowdtrain")
 app.config_from_object("django.conf:settings", namespace="CELERY")
