@@ -257,7 +257,7 @@ class ProjectAdmin(OwnedAdmin):
         "preset",
         "dataset",
         "version",
-        "priority",
+        "resource_share",
         "flops",
         "created_at",
     ]

@@ -184,7 +184,7 @@ def _next_open_work_unit(*, user: User) -> WorkUnit | None:
             "project", "version__weights", "version__wire_weights", "shard__blob", "project__graph"
         )
         # Oldest open round first: with several projects, each one's round keeps moving.
-        .order_by("-project__priority", "version__created_at", "id")
+        .order_by("-project__resource_share", "version__created_at", "id")
         .first()
     )
 

@@ -107,6 +107,10 @@ class Project(models.Model):
         TRIMMED_MEAN = "trimmed_mean", "Trimmed mean (drops the extremes per coordinate)"
         MEDIAN = "median", "Coordinate-wise median"
 
+    class TargetMetric(models.TextChoices):
+        TEST_ACCURACY = "test_accuracy", "Test accuracy (higher is better)"
+        TEST_LOSS = "test_loss", "Test loss (lower is better)"
+
     class SpotCheckBy(models.TextChoices):
         SERVER = "server", "Recompute the update on the server"
         REPLICA = "replica", "Send the work unit to a second volunteer and compare the two updates"
@@ -179,7 +183,19 @@ class Project(models.Model):
         "output, twice for the backward pass; ResNet-18 on 32x32 needs 16).",
     )
     max_versions = models.PositiveIntegerField(default=100000, help_text="Stop after this many steps.")
-    priority = models.PositiveIntegerField(default=1)
+    # Set by staff, never by the project's researcher: a researcher must not be able to starve other projects.
+    resource_share = models.PositiveIntegerField(
+        default=100, help_text="BOINC-style resource share: running projects get volunteer time in proportion."
+    )
+    target_metric = models.CharField(
+        max_length=20,
+        choices=TargetMetric.choices,
+        default=TargetMetric.TEST_ACCURACY,
+        help_text="The metric that picks the best checkpoint and the ETA's goal.",
+    )
+    target_value = models.FloatField(
+        null=True, blank=True, help_text="Goal for the target metric (e.g. 0.95 accuracy, or a loss of 0.1)."
+    )
     # Next training sample to hand out; work units walk the training split in order, epoch after epoch.
     data_cursor = models.PositiveBigIntegerField(default=0)
     created_at = models.DateTimeField(auto_now_add=True)

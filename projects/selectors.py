@@ -22,9 +22,9 @@ class MetricPoint:
 
 
 def project_list_running() -> QuerySet[Project]:
-    """Running projects, highest priority first, annotated with `current_version_number`."""
+    """Running projects, largest resource share first, annotated with `current_version_number`."""
     running = Project.objects.filter(status=Project.Status.RUNNING)
-    return project_annotate_current_version(queryset=running).order_by("-priority", "name")
+    return project_annotate_current_version(queryset=running).order_by("-resource_share", "name")
 
 
 def project_list_public() -> QuerySet[Project]:

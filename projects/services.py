@@ -54,7 +54,8 @@ TRAINING_SETTINGS = (
     "spot_check_by",
     "trust_threshold",
     "max_versions",
-    "priority",
+    "target_metric",
+    "target_value",
 )
 
 

@@ -42,7 +42,8 @@ def project_form(**overrides: Any) -> dict[str, Any]:
         "batch_size": "32",
         "round_samples": "128",
         "max_versions": "500",
-        "priority": "3",
+        "target_metric": "test_accuracy",
+        "target_value": "0.9",
         "codec": "int8",
         "weights_codec": "fp32",
         "aggregator": "mean",
@@ -84,7 +85,7 @@ def test_superuser_creates_a_project_with_an_npz_upload(client: Client, superuse
     project = Project.objects.get(name="Digits MLP")
     assert (project.owner, project.preset, project.status) == (superuser, "mlp", Project.Status.DRAFT)
     assert (project.learning_rate, project.batch_size, project.round_samples) == (0.05, 32, 128)
-    assert (project.max_versions, project.priority, project.weight_decay) == (500, 3, 0.0001)
+    assert (project.max_versions, project.target_value, project.weight_decay) == (500, 0.9, 0.0001)
     assert project.flops_per_sample > 0
     assert project.dataset.name == "digits-60" and project.dataset.owner == superuser
     assert (project.dataset.train_samples, project.dataset.test_samples) == (54, 6)
