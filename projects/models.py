@@ -185,7 +185,8 @@ class Project(models.Model):
     max_versions = models.PositiveIntegerField(default=100000, help_text="Stop after this many steps.")
     # Set by staff, never by the project's researcher: a researcher must not be able to starve other projects.
     resource_share = models.PositiveIntegerField(
-        default=100, help_text="BOINC-style resource share: running projects get volunteer time in proportion."
+        default=100,
+        help_text="BOINC-style resource share: running projects get volunteer time in proportion.",
     )
     target_metric = models.CharField(
         max_length=20,
