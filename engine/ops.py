@@ -134,6 +134,25 @@ def _check_transposed_shapes(x: Tensor, w: Tensor, b: Tensor | None) -> None:
         raise ValueError(f"bias must have shape [{w.shape[1]}], got {list(b.shape)}")
 
 
+def _expand(a: Args, at: Attrs, training: bool) -> Tensor:
+    # -1 is the batch size, read off `like` (the graph input); never torch's "keep this size".
+    batch = _t(a, 1).shape[0]
+    return _t(a, 0).expand([batch if s == -1 else s for s in at["shape"]])
+
+
+def _drop_path(a: Args, at: Attrs, training: bool) -> Tensor:
+    """Stochastic depth, torchvision's mode "row": each sample is zeroed with probability p, the rest
+    scaled by 1 / (1 - p); the identity in eval mode. Draws as torchvision does (one bernoulli_ per call)."""
+    x, p = _t(a, 0), at["p"]
+    if not 0.0 <= p <= 1.0:
+        raise ValueError(f"drop probability has to be between 0 and 1, but got {p}")
+    if not training or p == 0.0:
+        return x
+    noise = torch.empty([x.shape[0]] + [1] * (x.dim() - 1), dtype=x.dtype, device=x.device)
+    noise.bernoulli_(1.0 - p)
+    return x * (noise / (1.0 - p) if p < 1.0 else noise)
+
+
 def _unary(fn: Callable[[Tensor], Tensor]) -> OpFn:
     return lambda a, at, training: fn(_t(a, 0))
 
@@ -185,6 +204,8 @@ OPS: dict[str, OpFn] = {
     "reduce_sum": _reduce(torch.sum),
     "add_scalar": lambda a, at, tr: _t(a, 0) + at["value"],
     "dropout2d": _dropout2d,
+    "expand": _expand,
+    "drop_path": _drop_path,
 }
 
 
@@ -231,6 +252,10 @@ def run_loss(
     if op == "l1":
         return F.l1_loss(pred, target)
     at = loss_attrs(op, attrs)
+    if loss_denominator(op, target, at, weight) == 0:
+        # Every target ignored (or weighted 0): torch's mean is 0/0, NaN. An honest volunteer's batch must
+        # not look invalid, so it is the sum over nothing: loss 0 and zero gradients (docs/graph-format.md).
+        return pred.sum() * 0.0
     # Sequence targets: torch's mean over batch and positions (weighted by the targets' class weights,
     # ignored positions left out) is the mean over the flattened rows.
     return F.cross_entropy(

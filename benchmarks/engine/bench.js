@@ -18,19 +18,17 @@
     return new Uint8Array(await response.arrayBuffer());
   }
 
-  // x as the graph wants it (NCHW, or [N, features]) and as the hand-written model wants it (NHWC).
-  function inputsFor(graph, batch) {
+  // x as the graph wants it (NCHW / NCL, or [N, features], or token ids) and as the hand-written model wants
+  // it (channels last: NHWC / NLC). y as the graph's target (class ids or floats) and one-hot for TF.js.
+  function inputsFor(graph, batch, classes) {
     const x = batch.x, y = batch.y;
-    const xGraph = tf.tensor(x.data, x.shape, "float32");
-    const xHand = x.shape.length === 4 ? tf.transpose(xGraph, [0, 2, 3, 1]) : tf.clone(xGraph);
-    const yInt = tf.tensor(Int32Array.from(y.data), y.shape, "int32");
-    const classes = graph.params.find((p) => p.name === lastLinear(graph)).shape[0];
-    return { xGraph, xHand, yInt, oneHot: tf.tidy(() => tf.oneHot(yInt, classes).toFloat()) };
-  }
-
-  function lastLinear(graph) {
-    const out = graph.nodes.find((n) => n.name === graph.output);
-    return out.inputs[1];
+    const ints = graph.inputs[0].dtype === "int64";
+    const xGraph = ints ? tf.tensor(Int32Array.from(x.data), x.shape, "int32") : tf.tensor(x.data, x.shape, "float32");
+    const channelsLast = { 3: [0, 2, 1], 4: [0, 2, 3, 1] }[x.shape.length];
+    const xHand = channelsLast && !ints ? tf.transpose(xGraph, channelsLast) : tf.clone(xGraph);
+    if (!classes) return { xGraph, xHand, yGraph: tf.tensor(y.data, y.shape, "float32") };
+    const yGraph = tf.tensor(Int32Array.from(y.data), y.shape, "int32");
+    return { xGraph, xHand, yGraph, oneHot: tf.tidy(() => tf.oneHot(yGraph, classes).toFloat()) };
   }
 
   function interpreterTrainer(model, feeds) {
@@ -68,18 +66,45 @@
     return d / Math.max(s, 1e-12);
   }
 
-  // Alternates which implementation goes first, so drift in machine load hits both alike.
-  async function measure(trainers, { steps, reps, warmup }) {
-    const times = { interpreter: [], handwritten: [] };
-    for (const name of Object.keys(times)) await timeSteps(trainers[name], warmup);
-    for (let r = 0; r < reps; r++) {
-      const order = r % 2 ? ["handwritten", "interpreter"] : ["interpreter", "handwritten"];
-      for (const name of order) times[name].push(await timeSteps(trainers[name], steps));
-    }
-    return times;
+  // Steps per repetition and repetitions from a time budget, so a run lasts about as long on any machine:
+  // a repetition lasts at least REP_MS (timer and sync overhead stay small), and the repetitions of all
+  // trainers together fill budgetMs, within [minReps, maxReps].
+  const REP_MS = 250;
+  function schedule(msPerStep, trainers, { budgetMs, minReps, maxReps }) {
+    const steps = Math.max(1, Math.ceil(REP_MS / msPerStep));
+    const reps = Math.floor(budgetMs / (trainers * steps * msPerStep));
+    return { steps, reps: Math.min(maxReps, Math.max(minReps, reps)) };
   }
 
-  // config: {backend, model, graphUrl, weightsUrl, batchUrl, steps, reps, warmup}
+  // Up to `steps` untimed steps (shader compilation, texture allocation), fewer once WARMUP_MS have passed:
+  // the first steps on SwiftShader's WebGPU take seconds each.
+  const WARMUP_MS = 3000;
+  async function warmUp(step, steps) {
+    const t0 = performance.now();
+    for (let i = 0; i < steps && performance.now() - t0 < WARMUP_MS; i++) await timeSteps(step, 1);
+  }
+
+  // Alternates which implementation goes first (ABBAAB...), so drift in machine load hits both alike; rep r
+  // of each forms a pair measured back to back. The last warmup step of each sets the schedule.
+  async function measure(trainers, config) {
+    const names = Object.keys(trainers);
+    const times = Object.fromEntries(names.map((name) => [name, []]));
+    let msPerStep = 0;
+    for (const name of names) {
+      await warmUp(trainers[name], config.warmup);
+      msPerStep = Math.max(msPerStep, await timeSteps(trainers[name], 1));
+    }
+    const { steps, reps } = schedule(msPerStep, names.length, config);
+    for (let r = 0; r < reps; r++) {
+      const order = r % 2 ? [...names].reverse() : names;
+      for (const name of order) times[name].push(await timeSteps(trainers[name], steps));
+    }
+    return { ...times, steps, reps };
+  }
+
+  // config: {backend, model, graphUrl, weightsUrl, batchUrl, classes, handwritten, warmup, budgetMs, minReps,
+  // maxReps}.
+  // Without a hand-written twin (config.handwritten false) only the interpreter is timed.
   async function run(config) {
     const backend = await useBackend(config.backend);
     const graph = ct.graph.load(await fetchBytes(config.graphUrl));
@@ -87,25 +112,29 @@
     const batch = ct.codecs.decode(await fetchBytes(config.batchUrl));
     const tensorsBefore = tf.memory().numTensors;
     const model = ct.runtime.createModel(graph, weights);
-    const hand = self.handwritten.models[config.model](weights);
-    const inputs = inputsFor(graph, batch);
-    const interp = interpreterTrainer(model, { x: inputs.xGraph, y: inputs.yInt });
-    const handTrainer = self.handwritten.trainer(hand, LR);
+    const hand = config.handwritten ? self.handwritten.models[config.model](weights) : null;
+    const inputs = inputsFor(graph, batch, config.classes);
+    const interp = interpreterTrainer(model, { x: inputs.xGraph, y: inputs.yGraph });
+    const handTrainer = hand ? self.handwritten.trainer(hand, LR) : null;
     try {
-      const relDiff = await logitsDiff(model, hand, inputs);
-      const times = await measure({
-        interpreter: interp.step, handwritten: () => handTrainer.step(inputs.xHand, inputs.oneHot),
-      }, config);
-      return { backend, relDiff, ...times };
+      const relDiff = hand ? await logitsDiff(model, hand, inputs) : null;
+      const trainers = { interpreter: interp.step };
+      if (hand) trainers.handwritten = () => handTrainer.step(inputs.xHand, inputs.oneHot);
+      return { backend, relDiff, ...(await measure(trainers, config)) };
     } finally {
       interp.dispose();
-      handTrainer.dispose();
+      if (hand) { handTrainer.dispose(); self.handwritten.dispose(hand); }
       model.dispose();
-      self.handwritten.dispose(hand);
       tf.dispose(Object.values(inputs));
       if (tf.memory().numTensors !== tensorsBefore) console.warn("benchmark leaked tensors");
     }
   }
 
-  ns.bench = { run, useBackend };
+  // Whether the browser offers the backend at all (WebGPU needs an adapter: --enable-unsafe-webgpu here).
+  async function offers(name) {
+    if (name !== "webgpu") return true;
+    return !!(navigator.gpu && (await navigator.gpu.requestAdapter()));
+  }
+
+  ns.bench = { run, useBackend, offers };
 })(self);

@@ -1,5 +1,6 @@
-// Hand-written TF.js versions of the mlp, cnn and resnet18 presets: what a TF.js developer would write
-// for the same architecture (NHWC layout, [in, out] dense kernels, tf.batchNorm), loaded with the
+// Hand-written TF.js versions of the mlp, cnn and resnet18 presets and of the corpus's timeseries_cnn and
+// nanogpt (tests/engine/corpus.py): what a TF.js developer would write for the same architecture (channels-last
+// layout, [in, out] dense kernels, tf.batchNorm), loaded with the
 // preset's own weights converted once. This is the yardstick the graph interpreter is measured
 // against, so it must stay an honest implementation.
 // Classic script: attaches to self.handwritten; needs the global `tf`.
@@ -23,6 +24,7 @@
   // torch [out, in] -> dense kernel [in, out]; OIHW -> HWIO.
   const denseKernel = (t) => converted(t, (w) => tf.transpose(w));
   const convKernel = (t) => converted(t, (w) => tf.transpose(w, [2, 3, 1, 0]));
+  const conv1dKernel = (t) => converted(t, (w) => tf.transpose(w, [2, 1, 0])); // OIW -> WIO
 
   // A torch Linear that follows a torch.flatten of [C, H, W]: reorder its input rows to NHWC's (H, W, C).
   const flattenedKernel = (t, [c, h, w]) => converted(t, (k) =>
@@ -54,12 +56,13 @@
     return activation === "relu" ? tf.relu(y) : y;
   }
 
-  // Training-mode batch norm over N, H, W; running stats as torch keeps them (unbiased variance).
+  // Training-mode batch norm over every axis but the last (channels); running stats as torch keeps them
+  // (unbiased variance).
   function batchNorm(x, p, b, name, training, updates) {
     const rm = b[`${name}.running_mean`], rv = b[`${name}.running_var`];
     if (!training) return tf.batchNorm(x, rm, rv, p[`${name}.bias`], p[`${name}.weight`], 1e-5);
-    const { mean, variance } = tf.moments(x, [0, 1, 2]);
-    const n = x.size / x.shape[3];
+    const { mean, variance } = tf.moments(x, [...Array(x.rank - 1).keys()]);
+    const n = x.size / x.shape[x.rank - 1];
     updates.push([rm, tf.add(tf.mul(rm, 0.9), tf.mul(mean, 0.1))]);
     updates.push([rv, tf.add(tf.mul(rv, 0.9), tf.mul(variance, (0.1 * n) / (n - 1)))]);
     return tf.batchNorm(x, mean, variance, p[`${name}.bias`], p[`${name}.weight`], 1e-5);
@@ -125,6 +128,75 @@
     return { params, buffers, forward };
   }
 
+  // Conv1d(3->16, k5, pad 2) BN ReLU MaxPool1d(2) Conv1d(16->32, k3, "same") BN ReLU, mean over time, Linear.
+  // NLC; max pooling over time as tf.layers.maxPooling1d does it (a [1, 2] window on [N, 1, L, C]).
+  function timeseries_cnn(weights) {
+    const p = {}, b = {};
+    for (const [name, w] of Object.entries(weights)) {
+      if (name.endsWith("running_mean") || name.endsWith("running_var")) b[name] = tensorOf(weights, name);
+      else if (w.shape.length === 3) p[name] = conv1dKernel(tensorOf(weights, name));
+      else if (name === "classifier.weight") p[name] = denseKernel(tensorOf(weights, name));
+      else if (!name.endsWith("num_batches_tracked")) p[name] = tensorOf(weights, name);
+    }
+    const params = variables(p, true), buffers = variables(b, false);
+    function convBnRelu(x, conv_, bn, training, updates) {
+      const y = tf.add(tf.conv1d(x, params[`${conv_}.weight`], 1, "same"), params[`${conv_}.bias`]);
+      return tf.relu(batchNorm(y, params, buffers, bn, training, updates));
+    }
+    function forward(x, training, updates = []) {
+      let h = convBnRelu(x, "features.0", "features.1", training, updates);
+      const [n, l, c] = h.shape;
+      h = tf.maxPool(h.reshape([n, 1, l, c]), [1, 2], [1, 2], "valid").reshape([n, l / 2, c]);
+      h = convBnRelu(h, "features.4", "features.5", training, updates);
+      return dense(tf.mean(h, 1), params, "classifier");
+    }
+    return { params, buffers, forward };
+  }
+
+  // nanoGPT (2 blocks, 4 heads, 64 wide, causal attention, exact GELU, lm_head tied to wte): logits of the
+  // last position. Dense kernels [in, out]; the tied lm_head reads wte [vocab, C] transposed, as it must.
+  function nanogpt(weights) {
+    const p = {};
+    for (const [name, w] of Object.entries(weights)) {
+      const dense_ = w.shape.length === 2 && name.includes(".h.");
+      p[name] = dense_ ? denseKernel(tensorOf(weights, name)) : tensorOf(weights, name);
+    }
+    const params = variables(p, true);
+    const at = (prefix) => (suffix) => params[`${prefix}.${suffix}`];
+    const layerNorm = (x, w) => {
+      const { mean, variance } = tf.moments(x, -1, true);
+      return tf.add(tf.mul(tf.mul(tf.sub(x, mean), tf.rsqrt(tf.add(variance, 1e-5))), w("weight")), w("bias"));
+    };
+    const linear = (x, w) => {
+      const y = tf.add(tf.matMul(x.reshape([-1, x.shape[2]]), w("weight")), w("bias"));
+      return y.reshape([x.shape[0], x.shape[1], -1]);
+    };
+    const gelu = (x) => tf.mul(tf.mul(x, 0.5), tf.add(tf.erf(tf.mul(x, Math.SQRT1_2)), 1));
+    function attention(x, w, heads, mask) {
+      const [b, t, c] = x.shape;
+      const [q, k, v] = tf.split(linear(x, w), 3, 2).map((h) => tf.transpose(h.reshape([b, t, heads, c / heads]), [0, 2, 1, 3]));
+      const scores = tf.add(tf.mul(tf.matMul(q, k, false, true), 1 / Math.sqrt(c / heads)), mask);
+      const y = tf.transpose(tf.matMul(tf.softmax(scores), v), [0, 2, 1, 3]).reshape([b, t, c]);
+      return y;
+    }
+    // The causal mask once, for the longest block (as nanoGPT registers it): -1e9 above the diagonal.
+    const block = params["transformer.wpe.weight"].shape[0];
+    const causal = tf.tidy(() => tf.mul(tf.sub(1, tf.linalg.bandPart(tf.ones([block, block]), -1, 0)), -1e9));
+    function forward(idx) {
+      const [b, t] = idx.shape;
+      const mask = t === block ? causal : tf.slice(causal, [0, 0], [t, t]);
+      let x = tf.add(tf.gather(params["transformer.wte.weight"], idx), tf.slice(params["transformer.wpe.weight"], 0, t));
+      for (let i = 0; params[`transformer.h.${i}.ln_1.weight`]; i++) {
+        const h = (name) => at(`transformer.h.${i}.${name}`);
+        x = tf.add(x, linear(attention(layerNorm(x, h("ln_1")), h("attn.c_attn"), 4, mask), h("attn.c_proj")));
+        x = tf.add(x, linear(gelu(linear(layerNorm(x, h("ln_2")), h("mlp.c_fc"))), h("mlp.c_proj")));
+      }
+      const last = tf.slice(layerNorm(x, at("transformer.ln_f")), [0, t - 1, 0], [b, 1, -1]).reshape([b, -1]);
+      return tf.matMul(last, params["transformer.wte.weight"], false, true);
+    }
+    return { params, buffers: { causal }, forward };
+  }
+
   // ---- one training step: forward + backward (tf.variableGrads) + SGD, running stats assigned --------
   function trainer(model, lr) {
     const optimizer = tf.train.sgd(lr);
@@ -149,5 +221,5 @@
     tf.dispose([...Object.values(model.params), ...Object.values(model.buffers)]);
   }
 
-  ns.handwritten = { models: { mlp, cnn, resnet18 }, trainer, dispose };
+  ns.handwritten = { models: { mlp, cnn, resnet18, timeseries_cnn, nanogpt }, trainer, dispose };
 })(self);

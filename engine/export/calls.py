@@ -38,6 +38,7 @@ def _s_cat(tensors: Any, dim: int = 0) -> None: ...
 def _s_linear(input: Any, weight: Any, bias: Any = None) -> None: ...
 def _s_split(input: Any, split_size_or_sections: Any, dim: int = 0) -> None: ...
 def _s_chunk(input: Any, chunks: int, dim: int = 0) -> None: ...
+def _s_unbind(input: Any, dim: int = 0) -> None: ...
 def _s_squeeze(input: Any, dim: Any = None) -> None: ...
 def _s_unsqueeze(input: Any, dim: int) -> None: ...
 def _s_reduce(input: Any, dim: Any = None, keepdim: bool = False, dtype: Any = None) -> None: ...
@@ -103,6 +104,17 @@ def _s_interpolate(
     recompute_scale_factor: Any = None,
     antialias: bool = False,
 ) -> None: ...
+def _s_stochastic_depth(input: Any, p: float, mode: str, training: bool = True) -> None: ...
+def _s_batch_norm(
+    input: Any,
+    running_mean: Any,
+    running_var: Any,
+    weight: Any = None,
+    bias: Any = None,
+    training: bool = False,
+    momentum: Any = 0.1,
+    eps: float = 1e-5,
+) -> None: ...
 def _s_sdpa(
     query: Any,
     key: Any,
@@ -153,6 +165,40 @@ def _dropout(op: str, rank: int | None = None) -> CallHandler:
     return handler
 
 
+TORCHVISION_STOCHASTIC_DEPTH = "torchvision.ops.stochastic_depth.stochastic_depth"  # fx-wrapped: a leaf
+
+
+def _stochastic_depth(e: Exporter, n: fx.Node, b: Bound, what: str) -> Ref:
+    """torchvision.ops.stochastic_depth: mode "row" with training=self.training is the graph's drop_path."""
+    p, mode = float(e.const(b["p"], what)), e.const(b["mode"], what)
+    if not 0.0 <= p <= 1.0:
+        raise e.refuse(what, "p", p, "a probability is between 0 and 1")
+    if mode != "row":
+        raise e.refuse(what, "mode", mode, 'only "row" (one draw per sample)')
+    training = bool(e.const(b["training"], what))
+    if e.eval_const(n, _s_stochastic_depth, "training", what):
+        raise e.refuse(what, "training", True, "it stays random in eval mode, the graph's drop_path does not")
+    return build.dropout(e, n.name, "drop_path", _x(e, b, what), p, training)
+
+
+def _batch_norm(e: Exporter, n: fx.Node, b: Bound, what: str) -> Ref:
+    """F.batch_norm as nn.BatchNorm2d calls it (timm's BatchNormAct2d does): batch statistics while training,
+    the running ones in eval mode, which is what the graph's batch_norm does with the interpreter's mode."""
+    training = bool(e.const(b["training"], what))
+    if not training or e.eval_const(n, _s_batch_norm, "training", what):
+        why = "the graph's batch_norm uses batch statistics exactly when training (pass self.training)"
+        raise e.refuse(what, "training", training, why)
+    momentum = e.const(b["momentum"], what)
+    if momentum is None:
+        raise e.refuse(what, "momentum", None, "the cumulative moving average is not supported")
+    refs = [e.opt_ref(b[k], what) for k in ("weight", "bias", "running_mean", "running_var")]
+    if None in refs:
+        missing = ("weight", "bias", "running_mean", "running_var")[refs.index(None)]
+        raise e.refuse(what, missing, None, "the graph's batch_norm needs all four tensors")
+    eps = float(e.const(b["eps"], what))
+    return e.emit(n.name, "batch_norm", [_x(e, b, what), *refs], eps=eps, momentum=float(momentum))
+
+
 def _flatten(e: Exporter, n: fx.Node, b: Bound, what: str) -> Ref:
     start, end = e.const(b["start_dim"], what), e.const(b["end_dim"], what)
     build.check_flatten(e, what, b["input"], start, end)
@@ -166,6 +212,18 @@ def _reshape(e: Exporter, n: fx.Node, b: Bound, what: str) -> Ref:
     if any(isinstance(s, torch.dtype) for s in sizes):
         raise e.refuse(what, "dtype", sizes[0], "graph tensors stay float32")
     return e.emit(n.name, "reshape", [_x(e, b, what)], shape=e.batch_shape(n, what))
+
+
+def _expand(e: Exporter, n: fx.Node, b: Bound, what: str) -> Ref:
+    """x.expand(sizes) as the recorded shape; a size that follows the batch must be the batch size itself,
+    which the graph's expand reads off the graph input "x" (its first dimension)."""
+    sizes = [e.runs[0].get(s) if isinstance(s, fx.Node) else s for s in b["sizes"]]
+    if any(isinstance(s, torch.dtype) for s in sizes):
+        raise e.refuse(what, "sizes", sizes, "a dtype")
+    dim = e.batch_dim(n, what)
+    if dim is not None and [run[n].shape[dim] for run in e.runs] != [2, 3]:
+        raise e.refuse(what, "sizes", sizes, "a size that is a multiple of the batch size")
+    return e.emit(n.name, "expand", [_x(e, b, what), "x"], shape=e.batch_shape(n, what))
 
 
 def _permute(e: Exporter, n: fx.Node, b: Bound, what: str) -> Ref:
@@ -260,6 +318,20 @@ def _split(e: Exporter, n: fx.Node, b: Bound, what: str) -> tuple[Ref, ...]:
         refs.append(e.emit(e.sub(n, str(i)), "split", [x], dim=dim, start=start, length=length))
         start += length
     return tuple(refs)
+
+
+def _unbind(e: Exporter, n: fx.Node, b: Bound, what: str) -> tuple[Ref, ...]:
+    """x.unbind(dim) (e.g. timm's q, k, v = qkv.unbind(0)): a `split` of length one and a `reshape` each."""
+    x, shape = _x(e, b, what), e.batch_shape(b["input"], what)
+    dim = e.const(b["dim"], what) % len(shape)
+    if shape[dim] == -1:
+        raise e.refuse(what, "dim", b["dim"], "unbinding the batch dimension")
+    piece = shape[:dim] + shape[dim + 1 :]
+    return tuple(
+        e.emit(e.sub(n, str(i)), "reshape", [e.emit(e.sub(n, f"{i}:slice"), "split", [x], dim=dim, start=i,
+               length=1)], shape=piece)
+        for i in range(shape[dim])
+    )  # fmt: skip
 
 
 def _getitem(e: Exporter, n: fx.Node, b: Bound, what: str) -> Any:
@@ -440,6 +512,7 @@ CALLS: dict[Any, CallEntry] = {
     **_entries([torch.unsqueeze, *_method("unsqueeze")], _s_unsqueeze, _reshape),
     **_entries([operator.neg, torch.neg, *_method("neg")], _s_x, _neg),
     **_entries([torch.permute, *_method("permute")], _s_var, _permute),
+    **_entries(_method("expand"), _s_var, _expand),
     **_entries([torch.transpose, *_method("transpose")], _s_transpose, _transpose),
     **_entries(_method("t"), _s_x, _t),
     **_entries(_method("contiguous"), _s_contiguous, _identity),
@@ -456,6 +529,7 @@ CALLS: dict[Any, CallEntry] = {
     **_entries([F.scaled_dot_product_attention], _s_sdpa, sdpa_call),
     **_entries([torch.split, *_method("split")], _s_split, _split),
     **_entries([torch.chunk, *_method("chunk")], _s_chunk, _split),
+    **_entries([torch.unbind, *_method("unbind")], _s_unbind, _unbind),
     **_entries([operator.getitem], _s_ab, _getitem),
     **_entries([F.conv1d], _s_conv, _conv1d),
     **_entries([F.conv2d], _s_conv, _conv2d),
@@ -465,6 +539,8 @@ CALLS: dict[Any, CallEntry] = {
     **_entries([F.adaptive_avg_pool2d], _s_adaptive, _adaptive),
     **_entries([F.layer_norm], _s_layer_norm, _layer_norm),
     **_entries([F.group_norm], _s_group_norm, _group_norm),
+    **_entries([F.batch_norm], _s_batch_norm, _batch_norm),
+    **_entries([("function", TORCHVISION_STOCHASTIC_DEPTH)], _s_stochastic_depth, _stochastic_depth),
     **_entries([F.embedding], _s_embedding, _embedding),
     **_entries([F.interpolate], _s_interpolate, _interpolate),
     **_entries([torch.mean, *_method("mean")], _s_reduce, _reduce("reduce_mean")),

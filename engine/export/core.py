@@ -17,6 +17,7 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.fx._symbolic_trace import _maybe_revert_all_patches
 from torch.fx.node import _get_qualified_name
 
 from engine.layers import PositionalEmbedding
@@ -184,6 +185,7 @@ class Exporter:
         self.used: dict[str, Tensor] = {}  # param/buffer name -> tensor, in first-use order
         self.params: set[str] = set()  # the used names that are trained (the rest are buffers)
         self.env: dict[fx.Node, Any] = {}  # fx node -> Ref | CONST | Deferred | Refused | tuple of those
+        self.eval_of: dict[fx.Node, fx.Node] = {}  # train-mode trace node -> the eval-mode trace's
         self.path = "<root>"
 
     # ------------------------------------------------------------ tracing and example runs
@@ -216,13 +218,14 @@ class Exporter:
     def check_mode_independent(self, train: fx.Graph, evaluation: fx.Graph) -> None:
         """Python code reading self.training is resolved while tracing: the graph can follow the mode only
         through ops that do so themselves (dropout), so the two traces may differ only in such arguments."""
-        a, b = list(train.nodes), list(evaluation.nodes)
+        a, b = [n for n in train.nodes if not _counts_batches(n)], list(evaluation.nodes)
         if len(a) != len(b):
             raise ExportError(
                 "the forward pass reads self.training: train and eval mode trace to different programs, "
                 "which one graph cannot express"
             )
         for x, y in zip(a, b, strict=True):
+            self.eval_of[x] = y
             if not self._same_call(x, y):
                 raise ExportError(
                     f"the forward pass reads self.training at '{path_of(x)}' ({describe(x.target)}): train "
@@ -235,7 +238,7 @@ class Exporter:
             return False
         if _args_text(x) == _args_text(y):
             return True
-        entry = self.handlers.calls.get(x.target if x.op == "call_function" else ("method", x.target))
+        entry = self.call_entry(x)
         if entry is None:
             return False
         try:
@@ -256,7 +259,10 @@ class Exporter:
         copy, nodes = fx.Graph(), {}  # type: ignore[var-annotated]
         copy.graph_copy(graph, nodes)
         copy.output(nodes[node])
-        runs = self.record_runs(fx.GraphModule(self.module, copy))
+        # While tracing, fx patches nn.Module.__call__ (a called layer would add nodes to the trace and return
+        # a Proxy): the example runs must call the real layers.
+        with _maybe_revert_all_patches():
+            runs = self.record_runs(fx.GraphModule(self.module, copy))
         if not _reads_sizes_only(nodes[node], runs[0]):
             raise ExportError(
                 f"cannot trace the module: control flow depends on tensor values at {node.name}"
@@ -366,6 +372,14 @@ class Exporter:
         if first.shape != second.shape or not torch.equal(first, second):
             raise self.refuse(what, name, arg, "the tensor depends on the batch")
         return first  # type: ignore[no-any-return]
+
+    def eval_const(self, node: fx.Node, signature: Callable[..., Any], name: str, what: str) -> Any:
+        """A call's argument as the eval-mode trace has it (arguments in MODE_ARGS may differ)."""
+        other = self.eval_of[node]
+        value = bind(signature, tuple(other.args), dict(other.kwargs))[name]
+        if isinstance(value, fx.Node):
+            raise self.fail(what, f"argument {name} is computed in eval mode; it must be a constant")
+        return value
 
     def shape(self, node: fx.Node) -> list[int]:
         return list(self.runs[0][node].shape)
@@ -478,10 +492,19 @@ class Exporter:
             raise self.fail(what, str(exc)) from None
         return handler(self, node, m, bound, what)
 
+    def call_entry(self, node: fx.Node) -> CallEntry | None:
+        """By the function (or method name); functions of packages the engine does not import (e.g.
+        torchvision's fx-wrapped stochastic_depth) by their qualified name."""
+        if node.op != "call_function":
+            return self.handlers.calls.get(("method", node.target))
+        entry = self.handlers.calls.get(node.target)
+        if entry is not None or isinstance(node.target, str):
+            return entry
+        return self.handlers.calls.get(("function", _get_qualified_name(node.target)))
+
     def convert_call(self, node: fx.Node) -> Any:
         what = _what(node)
-        key = node.target if node.op == "call_function" else ("method", node.target)
-        entry = self.handlers.calls.get(key)
+        entry = self.call_entry(node)
         if entry is None:
             raise self.fail(what)
         signature, handler = entry
@@ -514,6 +537,20 @@ def _reads_sizes_only(node: fx.Node, values: Mapping[fx.Node, Any]) -> bool:
             return False
         todo.extend(n.all_input_nodes)
     return True
+
+
+def _counts_batches(node: fx.Node) -> bool:
+    """A batch norm's `num_batches_tracked.add_(1)` while training, with its result unused (timm's
+    BatchNormAct2d spells it out). The counter matters only for momentum=None, whose factor reads it (so
+    the pattern no longer holds) and which the batch_norm handlers refuse."""
+    if node.op == "get_attr":
+        return _is_counter(node) and bool(node.users) and all(_counts_batches(u) for u in node.users)
+    source = node.args[0] if node.op == "call_method" and node.args else None
+    return node.target == "add_" and not node.users and isinstance(source, fx.Node) and _is_counter(source)
+
+
+def _is_counter(node: fx.Node) -> bool:
+    return node.op == "get_attr" and str(node.target).split(".")[-1] == "num_batches_tracked"
 
 
 def _is_view(node: fx.Node) -> bool:

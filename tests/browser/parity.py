@@ -90,6 +90,11 @@ def _float64_inputs() -> Iterator[None]:
 
 def float64_gradients(g: Graph, weights: Tensors, batch: Tensors) -> Tensors:
     """The exact (float64) gradients: the yardstick for how accurate float32 PyTorch itself is."""
+    return float64_step(g, weights, batch)[0]
+
+
+def float64_step(g: Graph, weights: Tensors, batch: Tensors) -> tuple[Tensors, Tensors]:
+    """The exact (float64) gradients and updated buffers of one training step."""
     from engine.runtime import GraphModule
 
     inputs, targets = split_batch(g, batch)
@@ -98,7 +103,9 @@ def float64_gradients(g: Graph, weights: Tensors, batch: Tensors) -> Tensors:
         module.load_state({k: v.double() for k, v in weights.items()})
         module.train()
         module.loss(module({**targets, **inputs}), targets).backward()
-    return {k: v.float() for k, v in module.grads().items()}
+    state = module.state()
+    buffers = {b["name"]: state[b["name"]].float() for b in g["buffers"]}
+    return {k: v.float() for k, v in module.grads().items()}, buffers
 
 
 def float64_local_steps(

@@ -1,6 +1,7 @@
 """Browser kernels whose results are random, checked by their structure rather than against PyTorch's draws:
 dropout2d keeps or drops whole channels (one draw per sample and channel, both on NCHW values and on the
-NHWC ones convolutions leave) and scales what it keeps by 1 / (1 - p); at p = 1 it drops everything."""
+NHWC ones convolutions leave) and scales what it keeps by 1 / (1 - p); at p = 1 it drops everything.
+drop_path (stochastic depth) does the same per sample. And expand (a ViT's class token), against PyTorch."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import torch.nn.functional as F
 from tests.browser import graphs
 from tests.browser.graphs import node, spec
 from tests.browser.parity import b64
-from tests.browser.test_parity import BACKENDS, browser_run
+from tests.browser.test_parity import BACKENDS, browser_run, run_case
 
 pytestmark = pytest.mark.browser
 
@@ -75,3 +76,52 @@ def test_the_new_kernels_leak_no_tensor(harness: Any, backend: str, name: str) -
     )
     assert len(set(r["counts"])) == 1, r["counts"]
     assert harness.evaluate("() => tf.memory().numTensors") == before
+
+
+def drop_path_graph(p: float) -> graphs.Graph:
+    """[drop_path(conv(x)), drop_path(x)] along the channels: the first reads NHWC, the second NCHW."""
+    nodes = [
+        node("dx", "drop_path", ["x"], p=p),
+        node("c", "conv2d", ["x", "w", None]),
+        node("d", "drop_path", ["c"], p=p),
+        node("cat", "concat", ["d", "dx"], dim=1),
+    ]
+    inputs, targets = [spec("x", [-1, 8, 3, 3])], [spec("y", [-1, 16, 3, 3])]
+    return graphs.graph("drop_path", inputs, targets, [spec("w", [8, 8, 1, 1])], [], nodes, "cat", "mse")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("p", [0.5, 1.0])
+def test_drop_path_keeps_or_drops_whole_samples(harness: Any, backend: str, p: float) -> None:
+    g = drop_path_graph(p)
+    gen = torch.Generator().manual_seed(2)
+    weights = {"w": torch.randn(8, 8, 1, 1, generator=gen)}
+    batch = {"x": torch.randn(64, 8, 3, 3, generator=gen), "y": torch.randn(64, 16, 3, 3, generator=gen)}
+    kept_all = torch.cat([F.conv2d(batch["x"], weights["w"]), batch["x"]], 1) / (1 - p if p < 1 else 1)
+    got = browser_run(harness, backend, g, weights, batch)["output"]
+    for half in (slice(0, 8), slice(8, 16)):  # each drop_path node: whole samples, scaled by 1 / (1 - p)
+        kept = got[:, half].flatten(1).abs().amax(-1) > 0
+        torch.testing.assert_close(
+            got[:, half], kept_all[:, half] * kept[:, None, None, None], rtol=1e-5, atol=1e-5
+        )
+        assert (0.25 < kept.float().mean() < 0.75) if p < 1 else not kept.any()
+
+
+def expand_graph() -> graphs.Graph:
+    """A class token (a [1, 1, 4] parameter) expanded to the batch and put before the sequence."""
+    nodes = [
+        node("cls", "expand", ["token", "x"], shape=[-1, 1, 4]),
+        node("seq", "concat", ["cls", "x"], dim=1),
+        node("out", "linear", ["seq", "fc.weight", None]),
+    ]
+    params = [spec("token", [1, 1, 4]), spec("fc.weight", [3, 4])]
+    return graphs.graph(
+        "expand", [spec("x", [-1, 5, 4])], [spec("y", [-1, 6, 3])], params, [], nodes, "out", "mse"
+    )
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_expand_matches_pytorch(harness: Any, backend: str) -> None:
+    """Forward and the gradient of the expanded parameter (summed over the batch) as PyTorch's."""
+    g = expand_graph()
+    run_case(harness, backend, "expand", g, graphs.init_weights(g, seed=3), n=4)

@@ -2,8 +2,7 @@
 
 Each is a small version of a common design: nanoGPT (sdpa, and nn.MultiheadAttention with a causal-mask
 buffer), GRU and LSTM text classifiers, a 1-D CNN over time series, a U-Net, a MobileNetV3-like CNN and a
-TransformerEncoder classifier. torchvision and timm are not installable next to our torch, so none of
-their models is here.
+TransformerEncoder classifier. Real torchvision and timm models are in tests/engine/zoo.py.
 """
 
 from __future__ import annotations

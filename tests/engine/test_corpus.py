@@ -17,18 +17,22 @@ from engine.flops import forward_flops_per_sample, train_flops_per_sample
 from engine.graph import load_graph
 from engine.runtime import GraphModule
 from tests.engine.corpus import CORPUS, CorpusModel
+from tests.engine.zoo import ZOO
 
 ATOL = RTOL = 1e-5
+MODELS = {**CORPUS, **ZOO}  # hand-written, then torchvision's and timm's
+# vit_b_16 has 86M parameters: building, exporting and one step take ~10 s on a quiet machine.
+NAMES = [pytest.param(n, marks=pytest.mark.slow) if n == "tv_vit_b_16" else n for n in MODELS]
 
 
 def build(name: str) -> nn.Module:
     torch.manual_seed(0)
-    return CORPUS[name].build()
+    return MODELS[name].build()
 
 
 @cache
 def exported(name: str) -> tuple[dict[str, Any], dict[str, Tensor]]:
-    spec = CORPUS[name]
+    spec = MODELS[name]
     return export_module(build(name), spec.input_shape, spec.input_dtype, loss=spec.loss(), name=name)
 
 
@@ -45,9 +49,9 @@ def batch(spec: CorpusModel, size: int, out_shape: list[int]) -> tuple[Tensor, T
     return x, y
 
 
-@pytest.mark.parametrize("name", list(CORPUS))
+@pytest.mark.parametrize("name", NAMES)
 def test_corpus_model_trains_like_torch(name: str) -> None:
-    spec = CORPUS[name]
+    spec = MODELS[name]
     graph, weights = exported(name)
     model, ours = build(name), GraphModule(load_graph(graph))
     ours.load_state(weights)
@@ -76,9 +80,9 @@ def test_corpus_model_trains_like_torch(name: str) -> None:
             )
 
 
-@pytest.mark.parametrize("name", list(CORPUS))
+@pytest.mark.parametrize("name", NAMES)
 def test_corpus_model_evaluates_like_torch(name: str) -> None:
-    spec = CORPUS[name]
+    spec = MODELS[name]
     graph, weights = exported(name)
     model, ours = build(name), GraphModule(load_graph(graph))
     ours.load_state(weights)
@@ -90,7 +94,7 @@ def test_corpus_model_evaluates_like_torch(name: str) -> None:
 
 def torch_forward_flops(name: str) -> int:
     """What torch's FlopCounterMode counts for one sample's forward pass."""
-    spec = CORPUS[name]
+    spec = MODELS[name]
     x, _ = batch(spec, 1, [1])
     model = build(name).eval()
     counter = FlopCounterMode(display=False)
@@ -101,7 +105,7 @@ def torch_forward_flops(name: str) -> int:
 
 def test_corpus_flops_per_sample(capsys: pytest.CaptureFixture[str]) -> None:
     rows = []
-    for name in CORPUS:
+    for name in MODELS:
         graph = load_graph(exported(name)[0])
         forward, train = forward_flops_per_sample(graph), train_flops_per_sample(graph)
         assert 0 < forward < train

@@ -462,3 +462,68 @@ def test_unrolling_past_the_node_limit_is_an_export_error() -> None:
 
     with pytest.raises(ExportError, match="too many nodes"):
         export_module(Long(), (200, 2), loss="mse")
+
+
+def test_timm_drop_path_with_a_rate_is_refused_and_without_one_exports() -> None:
+    """timm's DropPath is Python reading self.training (not a leaf like torchvision's stochastic_depth)."""
+    from tests.engine.zoo import timm
+
+    with pytest.raises(ExportError, match="self.training"):
+        export_module(timm.create_model("convnext_atto", num_classes=3, drop_path_rate=0.1), (3, 32, 32))
+    export_module(timm.create_model("convnext_atto", num_classes=3), (3, 32, 32))
+
+
+class _SizeCheckAfterALayer(nn.Module):
+    """MobileViT's pattern: a condition on the size of what a layer returned."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv, self.fc = nn.Conv2d(3, 4, 3), nn.Linear(4, 4)
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = self.conv(x)
+        if x.shape[-1] % 2:
+            x = x * 2.0
+        return self.fc(x.mean((2, 3)))
+
+
+def test_a_size_condition_after_a_layer_runs_the_real_layer() -> None:
+    """fx patches nn.Module.__call__ while tracing; deciding the branch must not meet a Proxy."""
+    model = _SizeCheckAfterALayer()
+    graph, weights = export_module(model, (3, 7, 7), loss="mse")  # 5x5 after the conv: odd, doubled
+    assert [n["op"] for n in graph["nodes"]] == ["conv2d", "scale", "reduce_mean", "linear"]
+    x = torch.randn(2, 3, 7, 7)
+    torch.testing.assert_close(_runtime(graph, weights)({"x": x}), model(x))
+
+
+class _SpelledOutBatchNorm(nn.BatchNorm2d):
+    """timm's BatchNormAct2d without the activation: F.batch_norm with self.training, counting batches."""
+
+    num_batches_tracked: Tensor
+
+    def forward(self, x: Tensor) -> Tensor:
+        if self.training and self.track_running_stats:
+            self.num_batches_tracked.add_(1)
+        factor = 1.0 / float(self.num_batches_tracked) if self.momentum is None else self.momentum
+        return F.batch_norm(
+            x, self.running_mean, self.running_var, self.weight, self.bias, self.training, factor, self.eps
+        )
+
+
+def test_functional_batch_norm_with_self_training_trains_like_torch() -> None:
+    torch.manual_seed(0)
+    model = _SpelledOutBatchNorm(3, momentum=0.3)
+    graph, weights = export_module(model, (3, 4, 4), loss="mse")
+    assert [n["op"] for n in graph["nodes"]] == ["batch_norm"]
+    ours, x = _runtime(graph, weights), torch.randn(5, 3, 4, 4)
+    ours.train()
+    torch.testing.assert_close(ours({"x": x}), model.train()(x))
+    state = ours.state()
+    torch.testing.assert_close(state["running_var"], model.running_var)
+    torch.testing.assert_close(state["running_mean"], model.running_mean)
+
+
+def test_functional_batch_norm_with_a_cumulative_average_is_refused() -> None:
+    """momentum=None reads num_batches_tracked into Python (as timm does), which the graph cannot keep."""
+    with pytest.raises(ExportError, match="cannot trace the module|momentum"):
+        export_module(_SpelledOutBatchNorm(3, momentum=None), (3, 4, 4), loss="mse")

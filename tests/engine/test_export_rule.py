@@ -12,6 +12,7 @@ two. A handler without a table entry, or an argument without a value or a reason
 
 from __future__ import annotations
 
+import importlib
 import inspect
 import operator
 from collections.abc import Callable, Iterator
@@ -66,6 +67,7 @@ class Case:
     random: frozenset[str] = frozenset()  # arguments whose values make train mode random: compare in eval
     call: Callable[..., Tensor] | None = None  # (layer or target, model, x, kwargs) -> output
     params: dict[str, tuple[int, ...]] = field(default_factory=dict)  # tensors a function case uses
+    buffers: dict[str, tuple[int, ...]] = field(default_factory=dict)  # positive values (running stats)
     dtype: str = "float32"
     eval_random: bool = False  # the module stays random in eval mode (F.dropout's training=True)
 
@@ -537,6 +539,8 @@ class Fn(nn.Module):
     def __init__(self, target: Any, case: Case, kwargs: dict[str, Any]) -> None:
         super().__init__()
         self.p = nn.ParameterDict({k: nn.Parameter(torch.randn(s) * 0.5) for k, s in case.params.items()})
+        for k, s in case.buffers.items():
+            self.register_buffer(k, torch.rand(s) + 0.5)
         self.target, self.call, self.kwargs = target, case.call, kwargs
 
     def forward(self, x: Tensor) -> Tensor:
@@ -549,6 +553,12 @@ def method(name: str, t: Tensor, *args: Any, **kwargs: Any) -> Any:
 
 
 def target_of(key: Any) -> Any:
+    if isinstance(key, tuple) and key[0] == "function":  # by qualified name: a package's fx-wrapped function
+        import tests.engine.zoo  # noqa: F401 - makes torchvision importable (see there)
+
+        module, name = key[1].rsplit(".", 1)
+        # Looked up when called: while tracing, fx.wrap has replaced the module's global with a leaf call.
+        return lambda *args, **kwargs: getattr(importlib.import_module(module), name)(*args, **kwargs)
     return partial(method, key[1]) if isinstance(key, tuple) else key
 
 
@@ -577,6 +587,13 @@ def _sliced_weight(s: Fn, kw: dict[str, Any]) -> Tensor:
 def _pooled(f: Any, s: Fn, x: Tensor, kw: dict[str, Any]) -> Tensor:
     out = f(x, **kw)
     return out[0] if kw.get("return_indices") else out
+
+
+def _batch_norm_call(f: Any, s: Any, x: Tensor, kw: dict[str, Any]) -> Tensor:
+    """As nn.BatchNorm2d (and timm's BatchNormAct2d) call it: training=self.training."""
+    given = {"running_mean": s.rm, "running_var": s.rv, "weight": s.p["w"], "bias": s.p["b"]}
+    out: Tensor = f(x, **{**given, "training": s.training, **kw})
+    return out
 
 
 TENSOR = "a tensor input"
@@ -821,6 +838,60 @@ CALL_CASES: list[tuple[list[Any], Case]] = [
             refused={"dim": [0]},
             exempt={"input": TENSOR},
             call=_split_call,
+        ),
+    ),
+    (
+        [torch.unbind, ("method", "unbind")],
+        Case(
+            (3, 4),
+            {"dim": 1},
+            ok={"dim": [2, -1, -2]},
+            refused={"dim": [0]},
+            exempt={"input": TENSOR},
+            call=lambda f, s, x, kw: torch.cat([f(x, **kw)[-1], f(x, **kw)[0]], dim=-1),
+        ),
+    ),
+    (
+        [("method", "expand")],
+        Case(
+            (1, 4),
+            # A parameter expanded to the batch (a ViT's class token), times the input expanded.
+            ok={"sizes": [(-1, 3, 4), (-1, -1, 4)]},
+            exempt={"input": TENSOR},
+            params={"w": (1, 3, 4)},
+            call=lambda f, s, x, kw: (
+                f(x, *kw.get("sizes", (x.size(0), 3, 4))) * f(s.p["w"], x.size(0), -1, -1)
+            ),
+        ),
+    ),
+    (
+        [("function", "torchvision.ops.stochastic_depth.stochastic_depth")],
+        Case(
+            (4,),
+            {"p": 0.3, "mode": "row"},
+            ok={"p": [0.0, 1.0], "training": [False]},
+            refused={"mode": ["batch"], "training": [Refuse(True, "training")]},
+            exempt={"input": TENSOR},
+            call=lambda f, s, x, kw: f(x * 2.0, **{"training": s.training, **kw}),
+        ),
+    ),
+    (
+        [F.batch_norm],
+        Case(
+            (3, 4, 4),
+            ok={"momentum": [0.3], "eps": [1e-3]},
+            refused={
+                "running_mean": [None],
+                "running_var": [None],
+                "weight": [None],
+                "bias": [None],
+                "training": [True, False],
+                "momentum": [None],
+            },
+            exempt={"input": TENSOR},
+            params={"w": (3,), "b": (3,)},
+            buffers={"rm": (3,), "rv": (3,)},
+            call=_batch_norm_call,
         ),
     ),
     (
@@ -1133,7 +1204,9 @@ def _call_params() -> Iterator[Any]:
 
 
 def _name(key: Any) -> str:
-    return f"Tensor.{key[1]}" if isinstance(key, tuple) else f"{key.__module__}.{key.__name__}"
+    if isinstance(key, tuple):
+        return key[1] if key[0] == "function" else f"Tensor.{key[1]}"
+    return f"{key.__module__}.{key.__name__}"
 
 
 def _short(value: Any) -> str:

@@ -136,3 +136,45 @@ def test_evaluate_in_chunks_is_the_mean_over_the_whole_set(loss: dict[str, Any])
     assert result["loss"] == pytest.approx(whole, rel=1e-5)
     scored = y != module.graph.loss.attrs["ignore_index"]
     assert result["accuracy"] == pytest.approx(float((out.argmax(1) == y)[scored].float().mean()))
+
+
+NOTHING_SCORED = [
+    ({}, False, "ignored"),
+    ({"label_smoothing": 0.3}, True, "ignored"),
+    ({"ignore_index": 2, "label_smoothing": 0.1}, False, "ignored"),
+    ({}, True, "weighted 0"),
+    ({"label_smoothing": 0.3}, True, "weighted 0"),
+]
+
+
+@pytest.mark.parametrize(("attrs", "weighted", "how"), NOTHING_SCORED, ids=[str(c) for c in NOTHING_SCORED])
+@pytest.mark.parametrize("shape", [(4,), (2, 3)], ids=["rows", "sequence"])
+def test_a_batch_with_nothing_scored_has_loss_0_and_zero_gradients_where_torch_has_nan(
+    attrs: dict[str, Any], weighted: bool, how: str, shape: tuple[int, ...]
+) -> None:
+    """A deviation from torch, on purpose: its mean is 0/0 there, and an honest volunteer's NaN would be
+    judged invalid. Targets all ignore_index, or all of classes whose weight is 0."""
+    at = loss_attrs("cross_entropy", attrs)
+    weight = CLASS_WEIGHTS.clone() if weighted else None
+    target = torch.full(shape, at["ignore_index"])
+    if how == "weighted 0":
+        assert weight is not None
+        weight[1], target = 0.0, torch.ones(shape, dtype=torch.int64)
+    logits = torch.randn((*shape, 5), generator=GEN, requires_grad=True)
+    flat = logits.reshape(-1, 5), target.reshape(-1)
+    torchs = F.cross_entropy(
+        *flat, weight, ignore_index=at["ignore_index"], label_smoothing=at["label_smoothing"]
+    )
+    assert torch.isnan(torchs) or torch.isinf(torchs)
+
+    got = run_loss("cross_entropy", logits, target, attrs, weight)
+    assert float(got.detach()) == 0.0
+    assert torch.equal(torch.autograd.grad(got, logits)[0], torch.zeros_like(logits))
+
+
+def test_an_all_ignored_batch_gives_the_runtime_zero_gradients() -> None:
+    x, y = torch.randn(3, 6, generator=GEN), torch.full((3,), 4)  # GRAPH's loss ignores 4
+    result = compute_gradients(GRAPH, _weights(), {"x": x}, {"y": y})
+    assert result.loss == 0.0
+    assert all(torch.equal(grad, torch.zeros_like(grad)) for grad in result.grads.values())
+    assert set(result.grads) == {"fc.weight", "fc.bias"}

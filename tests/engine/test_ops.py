@@ -227,3 +227,23 @@ def test_embedding_padding_idx_defaults_to_none_and_must_be_in_the_table() -> No
             run_op("embedding", [ids, table], {"padding_idx": bad}, False)
     with pytest.raises(GraphError, match="attr 'padding_idx'"):
         _attrs("embedding", {"padding_idx": 1.5})
+
+
+def test_expand_takes_the_batch_size_from_like() -> None:
+    token, like = torch.randn(1, 1, 4), torch.zeros(5, 3, dtype=torch.int64)
+    out = run_op("expand", [token, like], {"shape": [-1, 2, 4]}, False)
+    assert torch.equal(out, token.expand(5, 2, 4))
+
+
+def test_drop_path_zeroes_whole_samples_and_scales_the_rest() -> None:
+    x = torch.randn(64, 3, 2, 2) + 5.0  # no zeros of its own
+    torch.manual_seed(0)
+    out = run_op("drop_path", [x], {"p": 0.25}, True)
+    kept = out.flatten(1).ne(0).all(1)
+    assert torch.equal(out.flatten(1).eq(0).all(1), ~kept)  # a sample is kept or dropped as a whole
+    torch.testing.assert_close(out[kept], x[kept] / 0.75)
+    assert 0.5 < kept.float().mean() < 0.95
+    assert torch.equal(run_op("drop_path", [x], {"p": 0.25}, False), x)
+    assert not run_op("drop_path", [x], {"p": 1.0}, True).any()
+    with pytest.raises(ValueError, match="between 0 and 1"):
+        run_op("drop_path", [x], {"p": 1.5}, True)

@@ -313,9 +313,16 @@
     return tf.tensor2d(m, [l, s]);
   }
 
+  // q @ k^T over the last two dims. With the same batch dims (self-attention), matMul's transposeB reads k
+  // as it is: no transpose kernel forward, nor its gradient backward.
+  function matmulTransposed(q, k) {
+    const sameBatch = q.rank === k.rank && q.rank >= 2 && q.shape.slice(0, -2).every((d, i) => d === k.shape[i]);
+    return sameBatch ? tf.matMul(q, k, false, true) : matmul([q, tf.transpose(k, transposeLast(k.rank))]);
+  }
+
   function attention([q, k, v], a) {
     const e = q.shape[q.rank - 1], l = q.shape[q.rank - 2], s = k.shape[k.rank - 2];
-    let scores = tf.mul(matmul([q, tf.transpose(k, transposeLast(k.rank))]), 1 / Math.sqrt(e));
+    let scores = tf.mul(matmulTransposed(q, k), 1 / Math.sqrt(e));
     if (a.is_causal) scores = tf.add(scores, causalMask(l, s));
     return matmul([tf.softmax(scores), v]);
   }
@@ -349,9 +356,10 @@
   // ---- op table: one kernel per op of engine/spec.json (tests/js/shared_facts.test.mjs) ---------------
   const OPS = {
     linear: ([x, w, b]) => { // plain matMul + add: tf.fused.matMul is slower under gradients (tfjs 4.22)
-      let y = tf.matMul(x.reshape([-1, w.shape[1]]), w, false, true);
+      // A 2-D x skips the reshapes: each would be a tape node (and a saved copy) for nothing.
+      let y = tf.matMul(x.rank === 2 ? x : x.reshape([-1, w.shape[1]]), w, false, true);
       if (b) y = tf.add(y, b);
-      return y.reshape([...x.shape.slice(0, -1), w.shape[0]]);
+      return x.rank === 2 ? y : y.reshape([...x.shape.slice(0, -1), w.shape[0]]);
     },
     conv2d,
     batch_norm: batchNorm,
@@ -393,25 +401,48 @@
     reduce_sum: reduce((x, axes, keep) => tf.sum(x, axes, keep)),
     add_scalar: ([x], a) => tf.add(x, a.value),
     dropout2d: (args, a, ctx) => dropout2dAt(args, a, ctx, 1),
+    // -1 is the batch size, read off `like` (the graph input); broadcastTo's gradient sums what it repeats.
+    expand: ([x, like], a) => tf.broadcastTo(x, a.shape.map((s) => (s === -1 ? like.shape[0] : s))),
+    // Stochastic depth: one draw per sample (dim 0 in either layout), so it runs channels last too.
+    drop_path: ([x], a, ctx) => dropoutWith(x, a.p, ctx, x.shape.map((d, i) => (i === 0 ? d : 1))),
   };
 
   // Class dim is last: logits [N,C] with targets [N], or [N,T,C] with [N,T]; mean over all positions.
   // torch's F.cross_entropy, mean reduction (aten/src/ATen/native/LossNLL.cpp): positions whose target is
   // ignore_index count nowhere; the rest count by their target's class weight (1 without weights), and both
-  // the picked and the label-smoothing terms are divided by the sum of those counts.
-  function crossEntropy([logits, target, weight], a) {
-    const c = logits.shape[logits.rank - 1];
-    const logp = logSoftmax(logits.reshape([-1, c]), 1);
+  // the picked and the label-smoothing terms are divided by the sum of those counts. So the loss is
+  // -sum(q * log_softmax(z)) / total, q [N, C] holding each position's weight on each class.
+  function targetWeights(target, weight, c, a) {
     const ids = target.reshape([-1]).toInt();
-    const oneHot = tf.oneHot(ids, c); // all zeros for an out-of-range ignore_index such as -100
+    const oneHot = tf.oneHot(ids, c, 1, 0, "float32"); // all zeros for an out-of-range ignore_index such as -100
+    // The usual case, in two kernels: an ignore_index that is no class id is exactly the rows oneHot zeroes
+    // (other labels outside [0, C) would count nowhere too, where torch raises: datasets refuse them).
+    const plain = !weight && a.label_smoothing === 0 && (a.ignore_index < 0 || a.ignore_index >= c);
+    // No row kept: q is all 0, and a total of 1 makes the loss 0 (nothing scored, see below).
+    if (plain) return { q: oneHot, total: tf.maximum(tf.sum(oneHot), 1) };
     const kept = tf.notEqual(ids, tf.scalar(a.ignore_index, "int32")).toFloat();
     const counts = weight ? tf.mul(kept, tf.sum(tf.mul(oneHot, weight), 1)) : kept;
-    let total = tf.mul(tf.sum(tf.mul(tf.sum(tf.mul(logp, oneHot), 1), counts)), 1 - a.label_smoothing);
+    let q = tf.mul(oneHot, tf.mul(counts, 1 - a.label_smoothing).expandDims(1));
     if (a.label_smoothing > 0) {
-      const everyClass = tf.sum(weight ? tf.mul(logp, weight) : logp, 1);
-      total = tf.add(total, tf.mul(tf.sum(tf.mul(everyClass, kept)), a.label_smoothing / c));
+      const spread = tf.mul(kept.expandDims(1), a.label_smoothing / c);
+      q = tf.add(q, weight ? tf.mul(spread, weight) : spread);
     }
-    return tf.neg(tf.div(total, tf.sum(counts)));
+    // Nothing scored (every target ignored, or of a class weighted 0): torch's 0/0 is NaN, and an honest
+    // volunteer's NaN would be judged invalid. The sum over nothing instead, as engine/ops.py's run_loss:
+    // q = 0 over a total of 1 gives loss 0 and zero gradients (docs/graph-format.md).
+    const total = tf.sum(counts);
+    const scored = tf.greater(total, 0);
+    return { q: tf.mul(q, scored.toFloat()), total: tf.where(scored, total, tf.onesLike(total)) };
+  }
+
+  // Only the log-softmax and the weighted sum are differentiated: q and total come from the targets and class
+  // weights, off the path from any param, so backprop skips them (fewer shader dispatches; benchmarks/engine).
+  // Not a tf.customGrad (nor tf.logSoftmax, which is one): on WebGL, with one, train.js localSteps drifted
+  // 0.8% from torch over three momentum steps (tests/browser/test_local_steps.py, hand:cnn), single steps exact.
+  function crossEntropy([logits, target, weight], a) {
+    const c = logits.shape[logits.rank - 1];
+    const { q, total } = targetWeights(target, weight, c, a);
+    return tf.neg(tf.div(tf.sum(tf.mul(logSoftmax(logits.reshape([-1, c]), 1), q)), total));
   }
 
   // torch's l1 gradient is sign(d), 0 at d = 0; tf.abs's is -1 there, so |d| is written d * sign(d).
@@ -475,7 +506,7 @@
   // graph's exactly: only where the data sits in memory changes.
   const UNARY = new Set([
     "relu", "tanh", "sigmoid", "gelu", "dropout", "scale", "silu", "hardswish", "hardsigmoid", "leaky_relu", "elu",
-    "add_scalar",
+    "add_scalar", "drop_path",
   ]);
   const BINARY = new Set(["add", "sub", "mul", "div"]);
   const NHWC_POOLS = { max_pool2d: poolNHWC("max"), avg_pool2d: poolNHWC("avg") };

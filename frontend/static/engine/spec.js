@@ -464,6 +464,27 @@
           }
         }
       },
+      "expand": {
+        "inputs": [
+          "x",
+          "like"
+        ],
+        "attrs": {
+          "shape": {
+            "kind": "ints"
+          }
+        }
+      },
+      "drop_path": {
+        "inputs": [
+          "x"
+        ],
+        "attrs": {
+          "p": {
+            "kind": "float"
+          }
+        }
+      },
       "interpolate": {
         "inputs": [
           "x"
