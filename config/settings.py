@@ -5,6 +5,7 @@ Production: DJANGO_ENV=production plus DATABASE_URL, REDIS_URL, DJANGO_SECRET_KE
 """
 
 import os
+from datetime import timedelta
 from pathlib import Path
 
 import dj_database_url
@@ -46,6 +47,12 @@ INSTALLED_APPS = [
     "frontend",
     "config",  # management commands: runplatform, ensure_admin
     "django_ratelimit",  # its system checks catch a cache that cannot count (see SILENCED_SYSTEM_CHECKS)
+    "accounts",  # ahead of allauth: its templates restyle allauth's pages
+    "uploads",
+    "allauth",
+    "allauth.account",
+    "knox",
+    "drf_spectacular",
 ]
 
 MIDDLEWARE = [
@@ -57,6 +64,7 @@ MIDDLEWARE = [
     "django.contrib.auth.middleware.AuthenticationMiddleware",
     "django.contrib.messages.middleware.MessageMiddleware",
     "django.middleware.clickjacking.XFrameOptionsMiddleware",
+    "allauth.account.middleware.AccountMiddleware",
 ]
 
 ROOT_URLCONF = "config.urls"
@@ -102,7 +110,11 @@ AUTH_PASSWORD_VALIDATORS = [
     {"NAME": "django.contrib.auth.password_validation.MinimumLengthValidator"},
     {"NAME": "django.contrib.auth.password_validation.CommonPasswordValidator"},
 ]
-LOGIN_URL = "login"
+LOGIN_URL = "account_login"
+AUTHENTICATION_BACKENDS = [
+    "django.contrib.auth.backends.ModelBackend",
+    "allauth.account.auth_backends.AuthenticationBackend",
+]
 LOGIN_REDIRECT_URL = "contribute"
 LOGOUT_REDIRECT_URL = "home"
 
@@ -148,17 +160,73 @@ CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
 CELERY_TASK_ROUTES = {
     "projects.tasks.validate_result": {"queue": "validation"},
     "projects.tasks.compute_reference": {"queue": "validation"},
+    # The one-CPU time-to-accuracy baseline (minutes of training): a worker of its own, niced, so it never
+    # delays validation or a round (runplatform's baseline_args).
+    "projects.tasks.train_baseline": {"queue": "baseline"},
 }
 CELERY_BEAT_SCHEDULE = {
     "feed-work-units": {"task": "projects.tasks.feed_work_units", "schedule": 5.0},
     "transition": {"task": "projects.tasks.transition", "schedule": 5.0},
     "evaluate-projects": {"task": "projects.tasks.evaluate_projects", "schedule": 15.0},
+    "collect-storage": {
+        "task": "projects.tasks.collect_storage",
+        "schedule": float(os.environ.get("CROWDTRAIN_STORAGE_SWEEP_SECONDS", 60)),
+    },
+    "queue-baselines": {"task": "projects.tasks.queue_baselines", "schedule": 60.0},
 }
 
 REST_FRAMEWORK = {
-    "DEFAULT_AUTHENTICATION_CLASSES": ["rest_framework.authentication.SessionAuthentication"],
+    "DEFAULT_AUTHENTICATION_CLASSES": [
+        "knox.auth.TokenAuthentication",
+        "rest_framework.authentication.SessionAuthentication",
+    ],
     "DEFAULT_PERMISSION_CLASSES": ["rest_framework.permissions.IsAuthenticated"],
+    "DEFAULT_PAGINATION_CLASS": "rest_framework.pagination.PageNumberPagination",
+    "PAGE_SIZE": 50,
+    "DEFAULT_SCHEMA_CLASS": "drf_spectacular.openapi.AutoSchema",
 }
+# Researchers' API tokens (django-rest-knox): stored hashed, shown once, revocable from /account/.
+REST_KNOX = {
+    "TOKEN_TTL": timedelta(days=int(os.environ.get("CROWDTRAIN_API_TOKEN_DAYS", 90))),
+    "TOKEN_PREFIX": "ct_",
+    "TOKEN_LIMIT_PER_USER": 20,
+    "AUTO_REFRESH": False,
+}
+SPECTACULAR_SETTINGS = {
+    "TITLE": "Crowdtrain API",
+    "DESCRIPTION": "Researchers' REST API: projects, datasets (resumable uploads), versions, metrics and "
+    "checkpoints. Authenticate with `Authorization: Token <token>` (POST /api/auth/login/ or /account/).",
+    "VERSION": "1.0.0",
+    "SERVE_INCLUDE_SCHEMA": False,
+    # Swagger UI from npm (scripts/vendor_static.py), served by us: no CDN.
+    "SWAGGER_UI_DIST": "/static/vendor/swagger-ui",
+    "SWAGGER_UI_FAVICON_HREF": "/static/vendor/swagger-ui/favicon-32x32.png",
+    "COMPONENT_SPLIT_REQUEST": True,
+    "ENUM_NAME_OVERRIDES": {"CodecEnum": "projects.models.Project.Codec"},
+}
+
+# Accounts (django-allauth): a username and a password; an e-mail address is optional (password resets).
+ACCOUNT_LOGIN_METHODS = {"username"}
+ACCOUNT_SIGNUP_FIELDS = ["username*", "email", "password1*", "password2*"]
+ACCOUNT_EMAIL_VERIFICATION = "optional"
+ACCOUNT_FORMS = {"login": "accounts.forms.ThrottledLoginForm", "signup": "accounts.forms.ThrottledSignupForm"}
+# Logins and sign-ups are throttled by frontend/throttle.py's counters (shared with the admin's login);
+# allauth's own limits on them would refuse the simulated volunteers that all sign in from 127.0.0.1.
+ACCOUNT_RATE_LIMITS = {"login": None, "login_failed": None, "signup": None}
+ACCOUNT_LOGOUT_REDIRECT_URL = "home"
+ALLAUTH_TRUSTED_PROXY_COUNT = int(os.environ.get("CROWDTRAIN_TRUSTED_PROXIES", 0))
+# Mail (password resets, address confirmation): printed to the console locally, SMTP in production.
+EMAIL_BACKEND = os.environ.get(
+    "DJANGO_EMAIL_BACKEND",
+    f"django.core.mail.backends.{'smtp' if PRODUCTION else 'console'}.EmailBackend",
+)
+EMAIL_HOST = os.environ.get("DJANGO_EMAIL_HOST", "localhost")
+EMAIL_PORT = int(os.environ.get("DJANGO_EMAIL_PORT", 587))
+EMAIL_HOST_USER = os.environ.get("DJANGO_EMAIL_HOST_USER", "")
+EMAIL_HOST_PASSWORD = os.environ.get("DJANGO_EMAIL_HOST_PASSWORD", "")
+EMAIL_USE_TLS = env_bool("DJANGO_EMAIL_USE_TLS", True)
+DEFAULT_FROM_EMAIL = os.environ.get("DJANGO_DEFAULT_FROM_EMAIL", "Crowdtrain <noreply@localhost>")
+SERVER_EMAIL = DEFAULT_FROM_EMAIL
 
 # Limits on what users may send us.
 DATA_UPLOAD_MAX_MEMORY_SIZE = int(os.environ.get("CROWDTRAIN_MAX_REQUEST_BYTES", 64 * 2**20))
@@ -192,7 +260,27 @@ CROWDTRAIN = {
     # Spot-checked work units at least this big (FLOPs) are recomputed by the server as soon as they are
     # sent; below it, recomputing at validation (milliseconds) costs less than a task to precompute it.
     "REFERENCE_MIN_FLOPS": int(os.environ.get("CROWDTRAIN_REFERENCE_MIN_FLOPS", 10**8)),
+    # Time to accuracy against one machine (projects/baseline.py): every new project's graph is also trained
+    # by one CPU process for at most these seconds and samples, unless a sample costs more FLOPs than the
+    # bound (ResNet-18 and the GPT preset are over it; the MLP and CNN presets under). 0 seconds: never.
+    "BASELINE_SECONDS": int(os.environ.get("CROWDTRAIN_BASELINE_SECONDS", 300)),
+    "BASELINE_SAMPLES": int(os.environ.get("CROWDTRAIN_BASELINE_SAMPLES", 1_000_000)),
+    "BASELINE_MAX_FLOPS_PER_SAMPLE": int(
+        os.environ.get("CROWDTRAIN_BASELINE_MAX_FLOPS_PER_SAMPLE", 5 * 10**7)
+    ),
+    # API dataset uploads (PUT /api/uploads/<id>/): bytes per request, and how long an unfinished upload
+    # is kept (its file lives in VAR_DIR/uploads until then).
+    "MAX_UPLOAD_CHUNK_BYTES": int(os.environ.get("CROWDTRAIN_MAX_UPLOAD_CHUNK_BYTES", 8 * 2**20)),
+    "UPLOAD_EXPIRY_HOURS": int(os.environ.get("CROWDTRAIN_UPLOAD_EXPIRY_HOURS", 24)),
+    # Storage (projects/storage.py): old versions keep their weights only every Kth (plus the best and the
+    # latest); a blob no row references is deleted once it was last stored this long ago.
+    "KEEP_EVERY_K_VERSIONS": int(os.environ.get("CROWDTRAIN_KEEP_EVERY_K_VERSIONS", 10)),
+    "BLOB_GC_GRACE_SECONDS": int(os.environ.get("CROWDTRAIN_BLOB_GC_GRACE_SECONDS", 3600)),
+    # Fair share (projects/shares.py): the half-life of a project's recent compute, the window over which
+    # running projects get volunteer FLOPs in proportion to their resource_share.
+    "SHARE_HALF_LIFE_SECONDS": int(os.environ.get("CROWDTRAIN_SHARE_HALF_LIFE_SECONDS", 600)),
 }
+UPLOAD_ROOT = Path(os.environ.get("CROWDTRAIN_UPLOAD_ROOT", VAR_DIR / "uploads"))
 
 # Throttles on logins (public and admin; failures per address and per account) and on sign-ups (per
 # address), counted by django-ratelimit in the Redis cache. Rates are "<count>/<s|m|h|d>". Locally sign-ups

@@ -1,8 +1,9 @@
 """Root URLconf: the admin (with the staff credit dashboard), the public pages, blobs and the JSON API."""
 
 from django.contrib import admin
-from django.urls import include, path
+from django.urls import include, path, re_path
 
+from config.api import api_not_found
 from frontend.throttle import ThrottledAdminAuthenticationForm, throttled_status
 from frontend.views import admin_dashboard
 
@@ -18,6 +19,9 @@ urlpatterns = [
     path("admin/login/", throttled_status(admin.site.login)),
     path("admin/dashboard/", admin.site.admin_view(admin_dashboard), name="admin-dashboard"),
     path("admin/", admin.site.urls),
+    path("", include("accounts.urls")),
     path("", include("frontend.urls")),
     path("", include("projects.urls")),
+    # Last: whatever else is under /api/ is a JSON 404, not an HTML page.
+    re_path(r"^api/(?P<rest>.*)$", api_not_found),
 ]

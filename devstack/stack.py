@@ -14,7 +14,7 @@ from typing import Self
 
 import psycopg
 
-from config.management.commands.runplatform import validator_args, worker_args
+from config.management.commands.runplatform import BASELINE_NICE, baseline_args, validator_args, worker_args
 
 ROOT = Path(__file__).resolve().parents[1]
 PYTHON = sys.executable
@@ -44,6 +44,7 @@ class Stack:
     seed_args: tuple[str, ...] = ("--no-fashion",)
     extra_env: dict[str, str] = field(default_factory=dict)
     round_timeout: int | None = None  # seconds, for every seeded project (None: the demo's own)
+    startup_timeout: float = 60  # seconds for daphne to answer (its imports take minutes on a loaded machine)
     processes: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
 
     @property
@@ -112,6 +113,9 @@ class Stack:
         self._spawn("worker", "-m", "celery", "-A", "config", *worker_args(), "-l", "info")
         self._spawn("validator", "-m", "celery", "-A", "config", *validator_args(), "-l", "info")
         self._spawn(
+            "baseline", "-m", "celery", "-A", "config", *baseline_args(), "-l", "info", nice=BASELINE_NICE
+        )
+        self._spawn(
             "beat",
             "-m",
             "celery",
@@ -123,12 +127,16 @@ class Stack:
             "--schedule",
             str(self.var_dir / "beat-schedule"),
         )
-        self._wait_for_http()
+        self._wait_for_http(self.startup_timeout)
 
-    def _spawn(self, name: str, *args: str) -> None:
+    def _spawn(self, name: str, *args: str, nice: int = 0) -> None:
         log = (self.var_dir / f"{name}.log").open("wb")
         self.processes[name] = subprocess.Popen(
-            [PYTHON, *args], cwd=ROOT, env=self.env(), stdout=log, stderr=subprocess.STDOUT
+            [*(["nice", "-n", str(nice)] if nice else []), PYTHON, *args],
+            cwd=ROOT,
+            env=self.env(),
+            stdout=log,
+            stderr=subprocess.STDOUT,
         )
 
     def _wait_for_http(self, timeout: float = 60) -> None:

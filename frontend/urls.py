@@ -1,18 +1,12 @@
-from django.contrib.auth import views as auth_views
 from django.urls import path
 
-from frontend import views
-from frontend.throttle import ThrottledAuthenticationForm, throttled_status
+from frontend import project_page, views
 
-login_view = auth_views.LoginView.as_view(
-    form_class=ThrottledAuthenticationForm, redirect_authenticated_user=True
-)
-
+# Sign-up, log in and log out are allauth's (accounts/urls.py: /accounts/signup/, /accounts/login/, ...).
 urlpatterns = [
     path("", views.home, name="home"),
-    path("signup/", views.signup, name="signup"),
-    path("login/", throttled_status(login_view), name="login"),
-    path("logout/", auth_views.LogoutView.as_view(), name="logout"),
     path("leaderboard/", views.leaderboard_page, name="leaderboard"),
     path("contribute/", views.contribute, name="contribute"),
+    path("projects/<int:project_id>/", project_page.project_page, name="project-page"),
+    path("projects/<int:project_id>/live/", project_page.project_live, name="project-live"),
 ]

@@ -1,18 +1,13 @@
-"""Public pages (home, sign-up, leaderboard, contribute) and the staff credit dashboard. Thin views only."""
+"""Public pages (home, leaderboard, contribute) and the staff credit dashboard. Thin views only."""
 
 from __future__ import annotations
 
 from django.contrib import admin
-from django.contrib.auth import login
 from django.contrib.auth.decorators import login_required
-from django.contrib.auth.forms import UserCreationForm
-from django.contrib.auth.models import User
 from django.http import HttpRequest, HttpResponse
-from django.shortcuts import redirect, render
+from django.shortcuts import render
 
-from frontend.throttle import SIGNUP_REFUSED, signup_counted, signup_refused
 from projects.selectors import TEST_ACCURACY, project_latest_metrics, project_list_running
-from workers.accounts import volunteer_create
 from workers.selectors import (
     compute_share,
     credit_by_project,
@@ -33,26 +28,9 @@ def home(request: HttpRequest) -> HttpResponse:
     return render(request, "frontend/home.html", {"projects": projects, "total_flops": credit_total()})
 
 
-def signup(request: HttpRequest) -> HttpResponse:
-    if request.user.is_authenticated:
-        return redirect("contribute")
-    posted = request.method == "POST"
-    form: UserCreationForm[User] = UserCreationForm(request.POST if posted else None)
-    if posted and signup_refused(request):
-        form.add_error(None, SIGNUP_REFUSED)
-        return render(request, "registration/signup.html", {"form": form}, status=429)
-    if posted and form.is_valid():
-        volunteer = volunteer_create(
-            username=form.cleaned_data["username"], password=form.cleaned_data["password1"]
-        )
-        signup_counted(request)
-        login(request, volunteer.user, backend="django.contrib.auth.backends.ModelBackend")
-        return redirect("contribute")
-    return render(request, "registration/signup.html", {"form": form})
-
-
 def leaderboard_page(request: HttpRequest) -> HttpResponse:
-    return render(request, "frontend/leaderboard.html", {"volunteers": leaderboard(limit=100)})
+    context = {"volunteers": leaderboard(limit=100), "projects": credit_by_project()}
+    return render(request, "frontend/leaderboard.html", context)
 
 
 @login_required

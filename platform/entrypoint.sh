@@ -3,6 +3,7 @@
 #   web      wait for the database, migrate, collectstatic, then serve HTTP + WebSockets with daphne
 #   worker   a Celery worker (aggregation, evaluation, feeding work units; validations too)
 #   validator a Celery worker for validations and spot-check recomputations only
+#   baseline a Celery worker for the one-CPU time-to-accuracy baselines only, at the lowest CPU priority
 #   beat     the Celery beat scheduler
 #   migrate  apply database migrations and exit
 # Anything else is run as a command, e.g. `docker compose run --rm web manage.py createsuperuser`.
@@ -48,6 +49,12 @@ case "$role" in
         # Validations and the spot checks' recomputations only (runplatform's validator_args): a round's
         # results arrive together. Scale with `docker compose up --scale validator=N`.
         exec celery -A config worker -Q validation --pool solo -l "${CELERY_LOG_LEVEL:-info}"
+        ;;
+    baseline)
+        wait_for_db
+        # The `baseline` queue only (runplatform's baseline_args): minutes of single-threaded training per new
+        # project, niced so that it never takes CPU from validation or a round. Keep it at one replica.
+        exec nice -n 19 celery -A config worker -Q baseline --pool solo -l "${CELERY_LOG_LEVEL:-info}"
         ;;
     beat)
         exec celery -A config beat -l "${CELERY_LOG_LEVEL:-info}" -s /app/var/beat/celerybeat-schedule

@@ -230,6 +230,7 @@ PROJECT_ADD_FIELDSETS = [
     ("Training", {"fields": list(TRAINING_SETTINGS)}),
 ]
 PROJECT_PROGRESS_FIELDS = (
+    "public_page",
     "status",
     "current_version",
     "samples_per_second",
@@ -269,11 +270,19 @@ class ProjectAdmin(OwnedAdmin):
         (None, {"fields": ["name", "description"]}),
         ("Progress", {"fields": PROJECT_PROGRESS_FIELDS}),
         ("Training", {"fields": list(TRAINING_SETTINGS)}),
+        (
+            "Scheduling",
+            {
+                "fields": ["resource_share"],
+                "description": "Set by staff: running projects get volunteer compute in proportion to their "
+                "resource shares.",
+            },
+        ),
         ("Model and data", {"fields": PROJECT_MODEL_FIELDS}),
     ]
 
     class Media:
-        js = ["vendor/chart.umd.min.js", "frontend/admin-charts.js"]
+        js = ["vendor/chart.umd.min.js", "frontend/charts.js"]
 
     def get_queryset(self, request: HttpRequest) -> QuerySet[Project]:
         queryset = super().get_queryset(request).select_related("owner", "graph")
@@ -294,7 +303,10 @@ class ProjectAdmin(OwnedAdmin):
         return PROJECT_ADD_FIELDSETS if obj is None else self.fieldsets
 
     def get_readonly_fields(self, request: HttpRequest, obj: Project | None = None) -> Any:
-        return self.readonly_fields if obj is not None else []
+        if obj is None:
+            return []
+        # A researcher must not be able to starve the other projects: only superusers set shares.
+        return [*self.readonly_fields, *([] if request.user.is_superuser else ["resource_share"])]
 
     def save_form(self, request: HttpRequest, form: ModelForm, change: bool) -> Any:
         if change:
@@ -370,6 +382,12 @@ class ProjectAdmin(OwnedAdmin):
         value = project_latest_metrics(project_ids=[project.pk])[project.pk].get(TEST_ACCURACY)
         return "—" if value is None else f"{value:.2%}"
 
+    @admin.display(description="public page")
+    def public_page(self, project: Project) -> str:
+        """Curves, ETA, the one-CPU comparison and checkpoint downloads (drafts: their owner only)."""
+        url = project.get_absolute_url()
+        return format_html('<a href="{}">{}</a>', url, url)
+
     @admin.display(description="metrics per version")
     def metrics_chart(self, project: Project) -> SafeString | str:
         points = [
@@ -390,16 +408,16 @@ class ProjectAdmin(OwnedAdmin):
 @admin.register(ModelVersion)
 class ModelVersionAdmin(ReadOnlyAdmin):
     owner_path = "project__owner"
-    list_display = ["project", "number", "train_loss", "samples", "weights_link", "created_at"]
+    list_display = ["project", "number", "train_loss", "samples", "weights_link", "created_at", "pruned_at"]
     list_filter = [("project", admin.RelatedOnlyFieldListFilter)]
     list_select_related = ["project", "weights"]
     search_fields = ["project__name"]
-    readonly_fields = ["weights_link", "optimizer_state_link"]
-    exclude = ["weights", "optimizer_state"]
+    readonly_fields = ["weights_link", "optimizer_state_link", "pruned_at"]
+    exclude = ["weights", "optimizer_state", "wire_weights"]
 
     @admin.display(description="weights")
     def weights_link(self, version: ModelVersion) -> str:
-        return blob_link(version.weights)
+        return "pruned" if version.is_pruned else blob_link(version.weights)
 
     @admin.display(description="optimizer state")
     def optimizer_state_link(self, version: ModelVersion) -> str:

@@ -7,33 +7,51 @@ import enum
 import hashlib
 import os
 import tempfile
+from pathlib import Path
 from urllib.parse import urlencode
 
 from django.conf import settings
 from django.contrib.auth import get_user_model
 from django.contrib.auth.models import AnonymousUser, User
 from django.core.signing import BadSignature, SignatureExpired, TimestampSigner
-from django.db import models
+from django.db import models, transaction
 from django.db.models import Exists, OuterRef, Q
+from django.utils import timezone
 
 from projects.models import Blob, DatasetShard, ModelVersion, Project, Result, WorkUnit
 
 
 def blob_put(*, data: bytes, content_type: str = "application/octet-stream") -> Blob:
-    """Store bytes once; storing the same bytes again returns the existing blob."""
+    """Store bytes once; storing the same bytes again returns the existing blob.
+
+    Safe against the garbage collector (projects/storage.py) collecting these bytes at the same moment: the
+    row is upserted first, which refreshes `stored_at` (the collector spares rows stored within its grace
+    period) and keeps the row locked until the caller's transaction ends (the collector skips locked rows).
+    Had the collector locked the row first, the upsert waits for it to commit and inserts the row anew; the
+    file, which the collector moved away before committing, is then written again below."""
     sha = hashlib.sha256(data).hexdigest()
-    path = settings.BLOB_ROOT / sha[:2] / sha
-    if not path.exists():
-        path.parent.mkdir(parents=True, exist_ok=True)
-        # Write then rename, so a reader never sees a half-written blob.
-        fd, tmp = tempfile.mkstemp(dir=path.parent)
-        with os.fdopen(fd, "wb") as handle:
-            handle.write(data)
-        os.replace(tmp, path)
-    blob, _ = Blob.objects.get_or_create(
-        sha256=sha, defaults={"size": len(data), "content_type": content_type}
-    )
-    return blob
+    with transaction.atomic():
+        row = Blob(sha256=sha, size=len(data), content_type=content_type, stored_at=timezone.now())
+        Blob.objects.bulk_create(
+            [row], update_conflicts=True, unique_fields=["sha256"], update_fields=["stored_at"]
+        )
+        _write_file(path=settings.BLOB_ROOT / sha[:2] / sha, data=data)
+        return Blob.objects.get(pk=sha)
+
+
+def _write_file(*, path: Path, data: bytes) -> None:
+    try:
+        # An existing file is touched: the orphan-file sweep (projects/storage.py) spares fresh files.
+        os.utime(path)
+        return
+    except FileNotFoundError:
+        pass
+    path.parent.mkdir(parents=True, exist_ok=True)
+    # Write then rename, so a reader never sees a half-written blob.
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-")
+    with os.fdopen(fd, "wb") as handle:
+        handle.write(data)
+    os.replace(tmp, path)
 
 
 # --- who may download which blob (served by projects/blob_server.py) ---------------------------------
@@ -111,6 +129,19 @@ _REFERENCES: tuple[tuple[type[models.Model], str, str], ...] = (
     (WorkUnit, "reference", "project__owner"),
     (Result, "blob", "work_unit__project__owner"),
 )
+
+
+def blob_references() -> list[tuple[type[models.Model], str]]:
+    """Every foreign key to Blob in the installed models, as (model, field name): the rows that keep a blob
+    alive. Read from the models, so a reference added anywhere later protects its blobs too."""
+    return sorted(
+        (
+            (rel.related_model, rel.field.name)
+            for rel in Blob._meta.get_fields(include_hidden=True)
+            if rel.auto_created and not rel.concrete and isinstance(rel, models.ForeignObjectRel)
+        ),
+        key=lambda pair: (pair[0]._meta.label, pair[1]),
+    )
 
 
 def blob_readable(*, sha256: str, user: User | AnonymousUser) -> Blob | None:

@@ -242,6 +242,17 @@ def dataset_create(*, owner: User, name: str, parsed: ParsedDataset) -> Dataset:
     return dataset
 
 
+def dataset_delete(*, dataset: Dataset) -> None:
+    """Delete a dataset no project uses (its shards' blobs are left to storage's sweep of unreferenced
+    blobs); raises DatasetError if a project uses it."""
+    with transaction.atomic():
+        locked = Dataset.objects.select_for_update().get(pk=dataset.pk)
+        if locked.projects.exists():
+            names = ", ".join(sorted(locked.projects.values_list("name", flat=True))[:5])
+            raise DatasetError(f"Projects use this dataset ({names}): delete them first.")
+        locked.delete()
+
+
 def dataset_load_split(*, dataset: Dataset, split: str) -> tuple[np.ndarray, np.ndarray]:
     """All samples of one split, shards concatenated in order: (x [n, ...], y [n, ...]) as stored."""
     shards = [shard_load(shard=shard) for shard in dataset.shards.filter(split=split).select_related("blob")]

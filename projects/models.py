@@ -8,11 +8,18 @@ from pathlib import Path
 from django.conf import settings
 from django.core.validators import MaxValueValidator, MinValueValidator
 from django.db import models
+from django.urls import reverse
+from django.utils import timezone
 
 from engine.graph import MAX_ACTIVATION_BYTES
 
 # A project's default bound on activations per training sample: 4x what the largest preset needs.
 DEFAULT_MAX_ACTIVATION_MB = 64
+
+
+class PrunedError(LookupError):
+    """The weights of a version pruned from storage were asked for (only every Kth, the best and the latest
+    versions keep theirs: projects/storage.py)."""
 
 
 class Blob(models.Model):
@@ -22,6 +29,9 @@ class Blob(models.Model):
     size = models.BigIntegerField()
     content_type = models.CharField(max_length=100, default="application/octet-stream")
     created_at = models.DateTimeField(auto_now_add=True)
+    # Refreshed each time blob_put stores these bytes again: the garbage collector's grace period counts
+    # from it, so a blob just stored for a row not yet committed is never collected (projects/storage.py).
+    stored_at = models.DateTimeField(default=timezone.now, db_index=True)
 
     def __str__(self) -> str:
         return f"{self.sha256[:12]} ({self.size} B)"
@@ -204,6 +214,9 @@ class Project(models.Model):
     def __str__(self) -> str:
         return self.name
 
+    def get_absolute_url(self) -> str:
+        return reverse("project-page", args=[self.pk])
+
     @property
     def is_running(self) -> bool:
         return self.status == self.Status.RUNNING
@@ -242,7 +255,8 @@ class Project(models.Model):
 class ModelVersion(models.Model):
     project = models.ForeignKey(Project, on_delete=models.CASCADE, related_name="versions")
     number = models.PositiveIntegerField()
-    weights = models.ForeignKey(Blob, on_delete=models.PROTECT, related_name="+")
+    # None once pruned from storage (projects/storage.py): the row and its metrics stay.
+    weights = models.ForeignKey(Blob, on_delete=models.PROTECT, related_name="+", null=True, blank=True)
     optimizer_state = models.ForeignKey(
         Blob, on_delete=models.PROTECT, related_name="+", null=True, blank=True
     )
@@ -251,6 +265,9 @@ class ModelVersion(models.Model):
     train_loss = models.FloatField(null=True, blank=True)
     samples = models.PositiveIntegerField(default=0, help_text="Samples aggregated into this version.")
     created_at = models.DateTimeField(auto_now_add=True)
+    pruned_at = models.DateTimeField(
+        null=True, blank=True, help_text="When its weights and optimizer state were deleted to save space."
+    )
 
     class Meta:
         constraints = [models.UniqueConstraint(fields=["project", "number"], name="unique_version")]
@@ -262,7 +279,20 @@ class ModelVersion(models.Model):
     @property
     def wire_blob(self) -> Blob:
         """The wire weights' blob, the one volunteers download: `wire_weights`, or `weights` under fp32."""
-        return self.wire_weights or self.weights
+        blob = self.wire_weights or self.weights
+        if blob is None:
+            raise PrunedError(f"version {self.number}'s weights were pruned")
+        return blob
+
+    @property
+    def weights_blob(self) -> Blob:
+        if self.weights is None:
+            raise PrunedError(f"version {self.number}'s weights were pruned")
+        return self.weights
+
+    @property
+    def is_pruned(self) -> bool:
+        return self.pruned_at is not None
 
 
 class WorkUnit(models.Model):
@@ -368,6 +398,8 @@ class Result(models.Model):
     deadline = models.DateTimeField()
     received_at = models.DateTimeField(null=True, blank=True)
     blob = models.ForeignKey(Blob, on_delete=models.PROTECT, related_name="+", null=True, blank=True)
+    # The update's SHA-256, kept after its blob is released (projects/storage.py): replays are caught by it.
+    digest = models.CharField(max_length=64, blank=True, db_index=True)
     samples = models.PositiveIntegerField(default=0)
     loss = models.FloatField(null=True, blank=True)
     compute_ms = models.PositiveIntegerField(default=0)
@@ -379,7 +411,13 @@ class Result(models.Model):
         constraints = [
             models.UniqueConstraint(fields=["work_unit", "volunteer"], name="one_result_per_volunteer")
         ]
-        indexes = [models.Index(fields=["status", "deadline"])]
+        indexes = [
+            models.Index(fields=["status", "deadline"]),
+            # The storage sweep looks only at results still holding an update (a few rounds' worth).
+            models.Index(
+                fields=["work_unit"], condition=models.Q(blob__isnull=False), name="result_holding_blob"
+            ),
+        ]
 
     def __str__(self) -> str:
         return f"result {self.pk} of WU {self.work_unit_id} ({self.status}, {self.validation})"
@@ -387,6 +425,19 @@ class Result(models.Model):
     @property
     def is_valid(self) -> bool:
         return self.validation == self.Validation.VALID
+
+
+class ProjectUsage(models.Model):
+    """A running project's recent volunteer compute for the fair-share scheduler (BOINC's "recent estimated
+    credit"): FLOPs of the work sent to volunteers, decayed exponentially with a half-life of
+    CROWDTRAIN["SHARE_HALF_LIFE_SECONDS"]. One row per project, so choosing a project costs no scan."""
+
+    project = models.OneToOneField(Project, on_delete=models.CASCADE, primary_key=True, related_name="usage")
+    recent_flops = models.FloatField(default=0.0)
+    updated_at = models.DateTimeField(default=timezone.now)
+
+    def __str__(self) -> str:
+        return f"{self.project}: {self.recent_flops:.3g} recent FLOPs"
 
 
 class Metric(models.Model):
@@ -399,3 +450,43 @@ class Metric(models.Model):
     class Meta:
         constraints = [models.UniqueConstraint(fields=["version", "name"], name="one_metric_per_version")]
         ordering = ["project", "created_at"]
+
+
+class Baseline(models.Model):
+    """The time-to-accuracy baseline: the project's graph and optimizer settings trained by one CPU process of
+    the server's own, within a budget, to compare the platform's curve with (engine/baseline.py)."""
+
+    class Status(models.TextChoices):
+        PENDING = "pending"
+        RUNNING = "running"
+        DONE = "done"
+        SKIPPED = "skipped"
+        FAILED = "failed"
+
+    project = models.OneToOneField(Project, on_delete=models.CASCADE, related_name="baseline")
+    status = models.CharField(max_length=10, choices=Status.choices, default=Status.PENDING)
+    reason = models.CharField(max_length=300, blank=True, help_text="Why it was skipped, failed or stopped.")
+    budget_seconds = models.FloatField()
+    budget_samples = models.PositiveBigIntegerField()
+    queued_at = models.DateTimeField(null=True, blank=True)
+    started_at = models.DateTimeField(null=True, blank=True)
+    finished_at = models.DateTimeField(null=True, blank=True)
+
+    def __str__(self) -> str:
+        return f"baseline of {self.project} ({self.status})"
+
+
+class BaselinePoint(models.Model):
+    """One evaluation of the baseline on the test split: after `seconds` of training (evaluation time not
+    counted, as the platform evaluates beside training) and `samples` training samples."""
+
+    baseline = models.ForeignKey(Baseline, on_delete=models.CASCADE, related_name="points")
+    seconds = models.FloatField()
+    samples = models.PositiveBigIntegerField()
+    metrics = models.JSONField(help_text="{metric name: value}, e.g. test_loss, test_accuracy.")
+
+    class Meta:
+        ordering = ["baseline", "samples"]
+        constraints = [
+            models.UniqueConstraint(fields=["baseline", "samples"], name="one_baseline_point_per_samples")
+        ]

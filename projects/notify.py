@@ -54,6 +54,10 @@ def evaluation_wanted(*, version_id: int) -> None:
     _enqueue("evaluate_version", version_id)
 
 
+def baseline_wanted(*, project_id: int) -> None:
+    _enqueue("train_baseline", project_id)
+
+
 def result_decided(
     *, user_id: int, work_unit_id: int, status: str, reason: str, credit_flops: int, total_credit_flops: int
 ) -> None:

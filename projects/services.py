@@ -6,12 +6,14 @@ computed in training.py. Views, consumers and Celery tasks only validate input a
 
 from __future__ import annotations
 
-from functools import lru_cache
+from functools import lru_cache, partial
 from typing import Any
 
 import torch
+from django.conf import settings as site_settings  # `settings` is projects' training-settings argument
 from django.contrib.auth.models import User
 from django.db import transaction
+from django.utils import timezone
 
 from engine import codecs, runtime
 from engine.flops import train_flops_per_sample
@@ -23,6 +25,7 @@ from projects.datasets import dataset_load_split
 from projects.lifecycle import work_units_cancel
 from projects.models import (
     DEFAULT_MAX_ACTIVATION_MB,
+    Baseline,
     Blob,
     Dataset,
     DatasetShard,
@@ -121,6 +124,7 @@ def project_create_from_graph(
             **{key: value for key, value in (settings or {}).items() if key in TRAINING_SETTINGS},
         )
         version_publish(project=project, number=0, weights=weights, momentum={})
+        baseline_schedule(project=project)
     return project
 
 
@@ -230,6 +234,34 @@ def project_pause(*, project: Project) -> Project:
     return project
 
 
+# What a project's researcher may change once it exists (resource_share is staff's: it is no setting here).
+EDITABLE_FIELDS = ("name", "description", *TRAINING_SETTINGS)
+
+
+def project_update(*, project: Project, changes: dict[str, Any]) -> Project:
+    """Change a project's name, description or training settings (the caller has validated the values)."""
+    fields = [key for key in changes if key in EDITABLE_FIELDS]
+    for key in fields:
+        setattr(project, key, changes[key])
+    if fields:
+        project.save(update_fields=fields)
+    return project
+
+
+def project_delete(*, project: Project) -> None:
+    """Delete a project nobody has been credited for: credit is the volunteers' record of their work, and
+    it goes with the project, so a project that has any can only be paused."""
+    with transaction.atomic():
+        locked = Project.objects.select_for_update().get(pk=project.pk)
+        if locked.credit.exists():
+            raise ProjectError(
+                "Volunteers have been credited for this project: pause it instead of deleting it."
+            )
+        if locked.status == Project.Status.RUNNING:
+            project_pause(project=locked)
+        locked.delete()
+
+
 def project_graph(*, project: Project) -> Graph:
     return _graph_from_blob(sha256=project.graph_id, max_activation_bytes=project.max_activation_bytes)
 
@@ -240,6 +272,42 @@ def _graph_from_blob(*, sha256: str, max_activation_bytes: int) -> Graph:
     # parsed graph, so parse (and shape-check) each one once per process instead of once per call.
     # The project's activation bound applies here too: no task ever runs a graph too large for it.
     return load_graph(Blob.objects.get(pk=sha256).read(), max_activation_bytes=max_activation_bytes)
+
+
+# --- the one-CPU baseline (trained in baseline.py) -----------------------------------------------
+
+
+def baseline_schedule(*, project: Project) -> Baseline:
+    """Queue the project's time-to-accuracy baseline on the low-priority `baseline` queue, or record why it
+    is skipped. Once per project. The task is queued after commit and a lost message (broker down while
+    demo projects are seeded) is queued again by the beat's queue_baselines."""
+    existing = Baseline.objects.filter(project=project).first()
+    if existing is not None:
+        return existing
+    reason = baseline_skip_reason(project=project)
+    baseline = Baseline.objects.create(
+        project=project,
+        status=Baseline.Status.SKIPPED if reason else Baseline.Status.PENDING,
+        reason=reason or "",
+        budget_seconds=site_settings.CROWDTRAIN["BASELINE_SECONDS"],
+        budget_samples=site_settings.CROWDTRAIN["BASELINE_SAMPLES"],
+        queued_at=None if reason else timezone.now(),
+    )
+    if not reason:
+        transaction.on_commit(partial(notify.baseline_wanted, project_id=project.pk), robust=True)
+    return baseline
+
+
+def baseline_skip_reason(*, project: Project) -> str | None:
+    bound = site_settings.CROWDTRAIN["BASELINE_MAX_FLOPS_PER_SAMPLE"]
+    if site_settings.CROWDTRAIN["BASELINE_SECONDS"] <= 0 or site_settings.CROWDTRAIN["BASELINE_SAMPLES"] <= 0:
+        return "The one-CPU baseline is turned off on this server."
+    if project.flops_per_sample > bound:
+        return (
+            f"Not run: a training sample costs {project.flops_per_sample:,} FLOPs, over this server's bound "
+            f"of {bound:,} for the one-CPU baseline."
+        )
+    return None
 
 
 # --- versions -------------------------------------------------------------------------------------
@@ -270,7 +338,7 @@ def version_publish(
 
 
 def version_weights(*, version: ModelVersion) -> Tensors:
-    return codecs.decode(version.weights.read())[0]
+    return codecs.decode(version.weights_blob.read())[0]
 
 
 def version_wire_weights(*, version: ModelVersion) -> Tensors:
@@ -287,7 +355,7 @@ def version_evaluate(*, version_id: int) -> dict[str, float]:
         pk=version_id
     )
     stored = dict(version.metrics.values_list("name", "value"))
-    if stored:
+    if stored or version.is_pruned:
         return stored
     graph = project_graph(project=version.project)
     x, y = _test_split(dataset_id=version.project.dataset_id)

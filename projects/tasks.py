@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from celery import shared_task
 
-from projects import lifecycle, notify, services, training, validation
+from projects import baseline, lifecycle, notify, services, storage, training, validation
 from projects.models import Project
 
 
@@ -90,3 +90,27 @@ def evaluate_projects() -> int:
     for version_id in version_ids:
         services.version_evaluate(version_id=version_id)
     return len(version_ids)
+
+
+@shared_task
+def train_baseline(project_id: int) -> str | None:
+    """Routed to the `baseline` queue (CELERY_TASK_ROUTES), which only a niced worker of its own consumes."""
+    result = baseline.baseline_train(project_id=project_id)
+    return None if result is None else str(result.status)
+
+
+@shared_task
+def queue_baselines() -> int:
+    project_ids = baseline.baselines_to_queue()
+    for project_id in project_ids:
+        notify.baseline_wanted(project_id=project_id)
+    return len(project_ids)
+
+
+@shared_task
+def collect_storage() -> dict[str, int]:
+    """Beat: release decided work units' updates, prune old versions' weights, delete unreferenced blobs."""
+    released = storage.storage_release_decided()
+    pruned = storage.versions_prune()
+    collected = storage.blobs_collect_garbage()
+    return {"released": released, "pruned": pruned, "blobs": collected.blobs, "bytes": collected.bytes}

@@ -205,7 +205,10 @@ def _replayed(result: Result) -> bool:
     """The same bytes for another slice or version. Two honest volunteers given the same slice of the same
     version (a round bigger than the dataset wraps around) legitimately send identical bytes."""
     unit = result.work_unit
-    same = Result.objects.filter(blob=result.blob, work_unit__project=unit.project).exclude(pk=result.pk)
+    if not result.digest:
+        return False
+    # By digest, not blob: a decided work unit's updates are deleted (storage.py), their digests stay.
+    same = Result.objects.filter(digest=result.digest, work_unit__project=unit.project).exclude(pk=result.pk)
     return same.exclude(
         work_unit__version=unit.version,
         work_unit__shard=unit.shard,
@@ -265,8 +268,10 @@ def work_unit_compute_reference(*, work_unit_id: int) -> bool:
     if work_unit is None or not work_unit.is_open or work_unit.reference_id is not None:
         return False  # gone (its project was deleted), decided, or done already
     recipe = work_unit.project.task_recipe
-    blob = blob_put(data=codecs.encode(recompute(work_unit=work_unit), "fp32", metadata={"recipe": recipe}))
-    return WorkUnit.objects.filter(pk=work_unit_id, reference=None).update(reference=blob) == 1
+    update = codecs.encode(recompute(work_unit=work_unit), "fp32", metadata={"recipe": recipe})
+    with transaction.atomic():  # stored and referenced at once: the blob collector never sees it unreferenced
+        blob = blob_put(data=update)
+        return WorkUnit.objects.filter(pk=work_unit_id, reference=None).update(reference=blob) == 1
 
 
 def _disagreement(*, project: Project, update: Tensors, reference: Tensors, against: str) -> str | None:
@@ -290,6 +295,10 @@ def _statistical_problem(*, update: Tensors, reference: Tensors, against: str) -
     similar norm (measured here: cosine 0.65-0.75 for the CNN preset's 0.25 dropout); sign flips, noise
     and scaling do not."""
     a, b = _flat(update), _flat(reference)
+    if not float(b.norm()):
+        # Nothing scored (every target ignore_index: loss 0, zero gradients, docs/graph-format.md): no
+        # direction to compare, and only the same zero update is honest.
+        return None if not float(a.norm()) else f"does not match {against} (which is zero: nothing scored)"
     cosine = float(a @ b / max(float(a.norm() * b.norm()), 1e-30))
     ratio = float(a.norm() / max(float(b.norm()), 1e-30))
     if cosine < MIN_COSINE or not 1 / MAX_NORM_RATIO <= ratio <= MAX_NORM_RATIO:

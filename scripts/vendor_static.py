@@ -27,6 +27,11 @@ FILES = [
     (f"{WASM_DIST}/tfjs-backend-wasm-threaded-simd.wasm", "tfjs-backend-wasm-threaded-simd.wasm"),
     ("@tensorflow/tfjs-backend-webgpu/dist/tf-backend-webgpu.min.js", "tf-backend-webgpu.min.js"),
     ("chart.js/dist/chart.umd.min.js", "chart.umd.min.js"),
+    # /api/docs/ (drf-spectacular's Swagger UI page, SPECTACULAR_SETTINGS["SWAGGER_UI_DIST"]).
+    ("swagger-ui-dist/swagger-ui.css", "swagger-ui/swagger-ui.css"),
+    ("swagger-ui-dist/swagger-ui-bundle.js", "swagger-ui/swagger-ui-bundle.js"),
+    ("swagger-ui-dist/swagger-ui-standalone-preset.js", "swagger-ui/swagger-ui-standalone-preset.js"),
+    ("swagger-ui-dist/favicon-32x32.png", "swagger-ui/favicon-32x32.png"),
 ]
 
 
@@ -37,6 +42,7 @@ def main() -> int:
         return 1
     VENDOR.mkdir(parents=True, exist_ok=True)
     for src, dst in FILES:
+        (VENDOR / dst).parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(NODE / src, VENDOR / dst)
         print(f"{src} -> {(VENDOR / dst).relative_to(ROOT)}")
     return 0

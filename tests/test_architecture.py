@@ -12,18 +12,29 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-FIRST_PARTY = ("config", "engine", "frontend", "projects", "workers")
+FIRST_PARTY = ("accounts", "config", "engine", "frontend", "projects", "uploads", "workers")
 # projects/ services, lowest first: each imports only modules of the layers below its own.
 LAYERS = (
-    ("projects.models", "projects.notify"),
-    ("projects.blobs",),
-    ("projects.datasets",),
+    ("projects.models", "projects.notify", "projects.curves"),
+    ("projects.blobs", "projects.shares"),
+    ("projects.datasets", "projects.storage"),
     ("projects.lifecycle",),
     ("projects.services",),
-    ("projects.validation", "projects.training"),
+    ("projects.validation", "projects.training", "projects.baseline"),
     ("projects.tasks",),
 )
-PLATFORM = ("django", "channels", "celery", "rest_framework", "config", "projects", "workers", "frontend")
+PLATFORM = (
+    "django",
+    "channels",
+    "celery",
+    "rest_framework",
+    "config",
+    "projects",
+    "workers",
+    "frontend",
+    "accounts",
+    "uploads",
+)
 
 Graph = Mapping[str, set[str]]
 

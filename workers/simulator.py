@@ -422,11 +422,12 @@ class Simulator:
         if self.config.signup:
             password = self.config.password
             await self._post_form(
-                "/signup/", {"username": self.config.username, "password1": password, "password2": password}
+                "/accounts/signup/",
+                {"username": self.config.username, "password1": password, "password2": password},
             )
         if self.http.cookie("sessionid") is None:  # not signed up (exists already) or plain login
             await self._post_form(
-                "/login/", {"username": self.config.username, "password": self.config.password}
+                "/accounts/login/", {"login": self.config.username, "password": self.config.password}
             )
         if self.http.cookie("sessionid") is None:
             raise SimulatorError(f"{self.config.username}: login refused (wrong password?)")

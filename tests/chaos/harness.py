@@ -244,7 +244,28 @@ VIOLATIONS = {
             (SELECT coalesce(sum(samples), 0) AS versions FROM projects_modelversion WHERE number > 0) v,
             (SELECT coalesce(sum(samples), 0) AS aggregated FROM projects_result WHERE aggregated) a
         WHERE versions <> aggregated""",
+    # Storage reclaimed during the faults (beat's collect_storage every STORAGE_SWEEP seconds, no grace).
+    "version without weights that was not pruned": """
+        SELECT id, number FROM projects_modelversion WHERE weights_id IS NULL AND pruned_at IS NULL""",
+    "received result awaiting a verdict without its update": """
+        SELECT id, work_unit_id FROM projects_result
+        WHERE status = 'received' AND validation = 'pending' AND blob_id IS NULL""",
+    "update released from a work unit still open": """
+        SELECT r.id, r.work_unit_id FROM projects_result r JOIN projects_workunit w ON w.id = r.work_unit_id
+        WHERE w.status = 'open' AND r.status = 'received' AND r.validation <> 'invalid'
+        AND r.blob_id IS NULL""",
 }
+# Every column that refers to a blob (projects.blobs.blob_references; tests/integration/test_storage.py
+# keeps the two lists equal).
+BLOB_COLUMNS = (
+    ("projects_datasetshard", "blob_id"),
+    ("projects_project", "graph_id"),
+    ("projects_modelversion", "weights_id"),
+    ("projects_modelversion", "wire_weights_id"),
+    ("projects_modelversion", "optimizer_state_id"),
+    ("projects_workunit", "reference_id"),
+    ("projects_result", "blob_id"),
+)
 
 
 def violations(stack: ChaosStack) -> dict[str, list[tuple[Any, ...]]]:
@@ -262,16 +283,53 @@ def violations(stack: ChaosStack) -> dict[str, list[tuple[Any, ...]]]:
                 "SELECT number, weights_id FROM projects_modelversion WHERE project_id = %s ORDER BY number",
                 (project_id(stack),),
             ).fetchall()
-    found.update(_version_problems(stack, [(int(n), str(sha)) for n, sha in versions]))
+            referenced = _referenced_blobs(conn)
+    found.update(_version_problems(stack, [(int(n), sha) for n, sha in versions]))
+    found.update(_blob_problems(stack, referenced))
     return found
 
 
-def _version_problems(stack: ChaosStack, versions: list[tuple[int, str]]) -> dict[str, list[tuple[Any, ...]]]:
+def _version_problems(
+    stack: ChaosStack, versions: list[tuple[int, str | None]]
+) -> dict[str, list[tuple[Any, ...]]]:
     found: dict[str, list[tuple[Any, ...]]] = {}
     numbers = [n for n, _ in versions]
     if numbers != list(range(len(numbers))):
         found["version numbers not contiguous from 0"] = [tuple(numbers)]
-    missing = [(n, sha) for n, sha in versions if not (stack.blob_root / sha[:2] / sha).is_file()]
+    missing = [(n, sha) for n, sha in versions if sha and not (stack.blob_root / sha[:2] / sha).is_file()]
     if missing:
         found["version without its weights file on disk"] = missing[:5]
     return found
+
+
+def _referenced_blobs(conn: psycopg.Connection[Any]) -> list[tuple[str, str, str | None]]:
+    """(table, column, sha of the blob row or None if the row is gone) for every blob some row refers to."""
+    rows: list[tuple[str, str, str | None]] = []
+    for table, column in BLOB_COLUMNS:
+        query = (
+            f"SELECT DISTINCT t.{column}, b.sha256 FROM {table} t "
+            f"LEFT JOIN projects_blob b ON b.sha256 = t.{column} WHERE t.{column} IS NOT NULL"
+        )
+        rows += [(table, str(ref), row) for ref, row in conn.execute(query).fetchall()]
+    return rows
+
+
+def _blob_problems(stack: ChaosStack, referenced: list[tuple[str, str, str | None]]) -> dict[str, list[Any]]:
+    """A blob some row refers to must have its row (the foreign keys see to that) and its file on disk."""
+    found: dict[str, list[Any]] = {}
+    no_row = [(table, sha) for table, sha, row in referenced if row is None]
+    no_file = [
+        (table, sha) for table, sha, _ in referenced if not (stack.blob_root / sha[:2] / sha).is_file()
+    ]
+    if no_row:
+        found["referenced blob without its row"] = no_row[:5]
+    if no_file:
+        found["referenced blob without its file on disk"] = no_file[:5]
+    return found
+
+
+def storage_reclaimed(stack: ChaosStack) -> tuple[int, int]:
+    """(versions pruned, results whose update was released): the sweep ran during the test."""
+    pruned = scalar(stack, "SELECT count(*) FROM projects_modelversion WHERE pruned_at IS NOT NULL")
+    released = scalar(stack, "SELECT count(*) FROM projects_result WHERE blob_id IS NULL AND digest <> ''")
+    return int(pruned), int(released)

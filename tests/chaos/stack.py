@@ -8,6 +8,7 @@ a chaos test must never restart, so this one runs a private redis-server (the `r
 from __future__ import annotations
 
 import logging
+import os
 import re
 import signal
 import subprocess
@@ -28,16 +29,19 @@ DEADLINE_SECONDS = 10
 # Small work units, so a round needs several volunteers and faults land mid-round.
 BATCH_SIZE, ROUND_SAMPLES, ROUND_TIMEOUT = 16, 64, 10
 STOP_GRACE = 5.0
+STORAGE_SWEEP = 2.0
 WORKER_READY = re.compile(r"celery@\S+ ready\.")  # the worker's log line once it consumes tasks
 
 
 @dataclass
 class ChaosStack(Stack):
-    database: str = "crowdtrain_h8_chaos"
+    # Overridable so that several engineers can run the suite side by side on one PostgreSQL.
+    database: str = field(default_factory=lambda: os.environ.get("CHAOS_STACK_DATABASE", "crowdtrain_chaos"))
     redis_port: int = field(default_factory=free_port)
     argv: dict[str, tuple[str, ...]] = field(default_factory=dict)
     redis: subprocess.Popen[bytes] | None = None
     setup_commands: list[tuple[str, ...]] = field(default_factory=list)
+    startup_timeout: float = 600  # daphne's imports take minutes on a loaded machine
 
     @property
     def redis_url(self) -> str:
@@ -54,6 +58,13 @@ class ChaosStack(Stack):
             CELERY_BROKER_URL=self.redis_url,
             MEDIA_ROOT=str(self.var_dir / "media"),
             CROWDTRAIN_WU_DEADLINE=str(DEADLINE_SECONDS),
+            # Storage is reclaimed while the faults land, as eagerly as it can be: beat sweeps every
+            # STORAGE_SWEEP seconds and deletes unreferenced blobs with no grace period at all, so only
+            # the locks keep a blob being stored alive (projects/storage.py). The invariants then check
+            # that every blob a row refers to is still on disk.
+            CROWDTRAIN_STORAGE_SWEEP_SECONDS=str(STORAGE_SWEEP),
+            CROWDTRAIN_BLOB_GC_GRACE_SECONDS="0",
+            CROWDTRAIN_KEEP_EVERY_K_VERSIONS="3",
         )
         return env
 
@@ -101,12 +112,15 @@ class ChaosStack(Stack):
 
     # --- processes ----------------------------------------------------------------------------------
 
-    def _spawn(self, name: str, *args: str) -> None:
+    def _spawn(self, name: str, *args: str, nice: int = 0) -> None:
         # Remember how to start it again, and append: a restart must not wipe the log of the crash.
-        self.argv[name] = args
+        self.argv[name] = (*(["nice", "-n", str(nice)] if nice else []), PYTHON, *args)
+        self._start(name)
+
+    def _start(self, name: str) -> None:
         log = (self.var_dir / f"{name}.log").open("ab")
         self.processes[name] = subprocess.Popen(
-            [PYTHON, *args], cwd=ROOT, env=self.env(), stdout=log, stderr=subprocess.STDOUT
+            list(self.argv[name]), cwd=ROOT, env=self.env(), stdout=log, stderr=subprocess.STDOUT
         )
 
     def kill(self, name: str, sig: signal.Signals = signal.SIGKILL) -> None:
@@ -123,7 +137,7 @@ class ChaosStack(Stack):
         ready = self._times_ready()
         started = time.monotonic()
         self.kill(name, sig)
-        self._spawn(name, *self.argv[name])
+        self._start(name)
         if name == "web":
             self._wait_for_http()
         if name == "worker":
@@ -147,7 +161,7 @@ class ChaosStack(Stack):
             self.start_redis()
         for name, process in list(self.processes.items()):
             if process.poll() is not None:
-                self._spawn(name, *self.argv[name])
+                self._start(name)
         self._wait_for_http()
 
     # --- the private redis-server --------------------------------------------------------------------

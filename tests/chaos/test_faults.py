@@ -19,6 +19,7 @@ from tests.chaos.harness import (
     latest_version,
     scalar,
     settle,
+    storage_reclaimed,
     violations,
     wait_for_validation_backlog,
     wait_for_version,
@@ -26,7 +27,7 @@ from tests.chaos.harness import (
 )
 from tests.chaos.stack import ChaosStack
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(480)]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]  # the first includes starting the stack
 
 BEFORE, AFTER = 1, 2  # versions of progress required before the fault, and after it
 # A liveness bound, not a speed target: generous, so that a loaded machine is not mistaken for a stall.
@@ -67,6 +68,8 @@ def check_books(stack: ChaosStack, crowd: Crowd) -> None:
     settle(stack)
     broken = violations(stack)
     assert broken == {}, f"invariants broken: {broken}\n{tail(stack)}"
+    # Beat's storage sweep ran throughout (tests/chaos/stack.py): decided updates were deleted meanwhile.
+    assert storage_reclaimed(stack)[1] > 0
 
 
 def test_volunteers_killed_mid_work_unit(healthy: ChaosStack) -> None:
@@ -121,4 +124,16 @@ def test_redis_restarted(healthy: ChaosStack) -> None:
         progress(healthy, AFTER)
     # Every consumer died with its Redis connection: the volunteers had to come back.
     assert crowd.total("reconnects") + crowd.rejected_handshakes > 0
+    check_books(healthy, crowd)
+
+
+def test_storage_reclaimed_while_volunteers_come_and_go(healthy: ChaosStack) -> None:
+    """Enough versions for old ones to be pruned (every 3rd kept) while the sweep deletes blobs every
+    2 s with no grace period; every blob a row refers to must still be on disk (check_books)."""
+    with crowd_of(healthy) as crowd:
+        for i in range(3):
+            crowd.join(f"storage-{i}", failure_probability=0.2)
+        progress(healthy, 5)
+    pruned, released = storage_reclaimed(healthy)
+    assert pruned > 0 and released > 0, (pruned, released)
     check_books(healthy, crowd)

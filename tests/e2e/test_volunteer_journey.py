@@ -35,7 +35,7 @@ def ledger_total(stack: Stack) -> int:
 
 
 def sign_up(page, stack: Stack, username: str) -> None:
-    page.goto(stack.url + "/signup/")
+    page.goto(stack.url + "/accounts/signup/")
     page.fill("input[name=username]", username)
     page.fill("input[name=password1]", "Tr41n-the-w0rld!")
     page.fill("input[name=password2]", "Tr41n-the-w0rld!")

@@ -45,7 +45,8 @@ def accepted_result(project: Project, user: User, count: int = 50) -> Result:
 
 def test_signup_creates_user_and_volunteer_and_logs_in(client: Client, db: None) -> None:
     response = client.post(
-        "/signup/", {"username": "carol", "password1": "a-Long-pass-4821", "password2": "a-Long-pass-4821"}
+        "/accounts/signup/",
+        {"username": "carol", "password1": "a-Long-pass-4821", "password2": "a-Long-pass-4821"},
     )
 
     assert response.status_code == 302 and response["Location"] == "/contribute/"
@@ -57,18 +58,19 @@ def test_signup_creates_user_and_volunteer_and_logs_in(client: Client, db: None)
 
 def test_signup_errors_are_shown_and_nothing_is_created(client: Client, db: None) -> None:
     response = client.post(
-        "/signup/", {"username": "dave", "password1": "a-Long-pass-4821", "password2": "x"}
+        "/accounts/signup/", {"username": "dave", "password1": "a-Long-pass-4821", "password2": "x"}
     )
 
     assert response.status_code == 200
-    assert "password fields didn" in response.content.decode()
+    assert "same password each time" in response.content.decode()
     assert not User.objects.filter(username="dave").exists()
     assert Volunteer.objects.count() == 0
 
 
 def test_signup_refuses_a_taken_username(client: Client, volunteer_user: User) -> None:
     response = client.post(
-        "/signup/", {"username": "alice", "password1": "a-Long-pass-4821", "password2": "a-Long-pass-4821"}
+        "/accounts/signup/",
+        {"username": "alice", "password1": "a-Long-pass-4821", "password2": "a-Long-pass-4821"},
     )
     assert response.status_code == 200
     assert "already exists" in response.content.decode()
@@ -76,14 +78,15 @@ def test_signup_refuses_a_taken_username(client: Client, volunteer_user: User) -
 
 
 def test_login_and_post_logout(client: Client, volunteer_user: User) -> None:
-    assert client.get("/login/").status_code == 200
-    response = client.post("/login/", {"username": "alice", "password": "alice-pass-123"})
+    assert client.get("/accounts/login/").status_code == 200
+    response = client.post("/accounts/login/", {"login": "alice", "password": "alice-pass-123"})
     assert response.status_code == 302 and response["Location"] == "/contribute/"
 
     home = client.get("/").content.decode()
-    assert 'id="nav-user">alice<' in home and 'action="/logout/"' in home
-    assert client.get("/logout/").status_code == 405  # logging out is a POST
-    response = client.post("/logout/")
+    assert 'id="nav-user" href="/account/">alice<' in home and 'action="/accounts/logout/"' in home
+    client.get("/accounts/logout/")  # a GET only asks to confirm: logging out is a POST
+    assert "_auth_user_id" in client.session
+    response = client.post("/accounts/logout/")
     assert response.status_code == 302 and "_auth_user_id" not in client.session
 
 
@@ -91,7 +94,11 @@ def test_nav_for_anonymous_volunteer_and_staff(
     client: Client, volunteer_user: User, researcher: User
 ) -> None:
     anonymous = client.get("/").content.decode()
-    assert 'href="/login/"' in anonymous and 'href="/signup/"' in anonymous and "/admin/" not in anonymous
+    assert (
+        'href="/accounts/login/"' in anonymous
+        and 'href="/accounts/signup/"' in anonymous
+        and "/admin/" not in anonymous
+    )
 
     client.force_login(volunteer_user)
     assert 'href="/admin/"' not in client.get("/").content.decode()
@@ -101,7 +108,9 @@ def test_nav_for_anonymous_volunteer_and_staff(
 
 def test_contribute_requires_login(client: Client, db: None) -> None:
     response = client.get("/contribute/")
-    assert response.status_code == 302 and response["Location"].startswith("/login/?next=/contribute/")
+    assert response.status_code == 302 and response["Location"].startswith(
+        "/accounts/login/?next=/contribute/"
+    )
 
 
 def test_contribute_page_ensures_a_volunteer_profile(client: Client, researcher: User) -> None:
@@ -200,8 +209,9 @@ def test_api_lists_running_projects_with_metrics(client: Client, mlp_project: Pr
     Metric.objects.create(project=mlp_project, version=version, name="test_accuracy", value=0.5)
     Metric.objects.create(project=mlp_project, version=version, name="test_loss", value=1.5)
 
-    projects: list[dict[str, Any]] = client.get("/api/projects/").json()
-    assert [p["name"] for p in projects] == ["MLP"]
+    page = client.get("/api/projects/").json()
+    projects: list[dict[str, Any]] = page["results"]
+    assert page["count"] == 1 and [p["name"] for p in projects] == ["MLP"]
     assert projects[0]["current_version"] == 0 and projects[0]["dataset"] == "digits"
     assert projects[0]["metrics"] == {"test_accuracy": 0.5, "test_loss": 1.5}
 
@@ -211,5 +221,5 @@ def test_api_lists_running_projects_with_metrics(client: Client, mlp_project: Pr
         (0, "test_loss", 1.5),
     ]
     Project.objects.filter(pk=mlp_project.pk).update(status=Project.Status.DRAFT)
-    assert client.get("/api/projects/").json() == []
+    assert client.get("/api/projects/").json()["results"] == []
     assert client.get(f"/api/projects/{mlp_project.pk}/metrics/").status_code == 404

@@ -314,6 +314,7 @@ def test_compressed_weights_go_down_and_the_master_copy_stays_fp32(
     wire = version_wire_weights(version=version)
     master = version_weights(version=version)
     assert version.wire_weights is not None and version.wire_blob == version.wire_weights
+    assert version.weights is not None
     assert version.wire_weights.size < version.weights.size / (1.9 if codec == "fp16" else 3.5)
     for name, value in master.items():
         assert value.dtype == wire[name].dtype == torch.float32

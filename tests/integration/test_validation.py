@@ -269,3 +269,13 @@ def test_references_are_not_computed_for_decided_work(mlp_project: Project, volu
 
 def test_a_reference_for_a_work_unit_that_is_gone_is_skipped(mlp_project: Project) -> None:
     assert not validation.work_unit_compute_reference(work_unit_id=10**9)
+
+
+def test_a_zero_update_matches_a_zero_reference_in_the_statistical_check() -> None:
+    """A batch that scores nothing (every target ignore_index) gives both sides loss 0 and zero gradients
+    (engine.ops.run_loss): a dropout model's honest volunteer must not fail for having no direction."""
+    zero = {"w": torch.zeros(3, 2), "b": torch.zeros(2)}
+    assert validation._statistical_problem(update=zero, reference=zero, against="the server") is None
+    some = {"w": torch.ones(3, 2), "b": torch.zeros(2)}
+    problem = validation._statistical_problem(update=some, reference=zero, against="the server")
+    assert problem == "does not match the server (which is zero: nothing scored)"

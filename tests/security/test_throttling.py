@@ -49,8 +49,11 @@ def window_passes(monkeypatch: pytest.MonkeyPatch) -> Callable[[], None]:
     return lambda: passed.__setitem__(0, passed[0] + 1)
 
 
-def log_in(client: Client, username: str, password: str, path: str = "/login/", ip: str = "127.0.0.1") -> Any:
-    return client.post(path, {"username": username, "password": password}, REMOTE_ADDR=ip)
+def log_in(
+    client: Client, username: str, password: str, path: str = "/accounts/login/", ip: str = "127.0.0.1"
+) -> Any:
+    field = "username" if path.startswith("/admin/") else "login"  # allauth's form calls it "login"
+    return client.post(path, {field: username, "password": password}, REMOTE_ADDR=ip)
 
 
 def test_the_limiter_counts_in_the_real_redis_cache(client: Client, volunteer_user: User) -> None:
@@ -66,7 +69,7 @@ def test_the_right_password_is_refused_after_ten_wrong_ones_until_the_window_pas
 ) -> None:
     for _ in range(10):
         wrong = log_in(client, "alice", WRONG)
-        assert wrong.status_code == 200 and "correct username and password" in wrong.content.decode()
+        assert wrong.status_code == 200 and "password you specified are not correct" in wrong.content.decode()
 
     refused = log_in(client, "alice", "alice-pass-123")
     assert refused.status_code == 429 and REFUSED in refused.content.decode()
@@ -101,7 +104,7 @@ def test_successful_logins_do_not_count(client: Client, volunteer_user: User) ->
     """Many simulated volunteers (or a lab behind one NAT) log in from one address: only failures count."""
     for _ in range(15):
         assert log_in(client, "alice", "alice-pass-123").status_code == 302
-        client.post("/logout/")
+        client.post("/accounts/logout/")
 
 
 def test_the_admin_login_shares_the_limit(client: Client, researcher: User, window_passes: Any) -> None:
@@ -122,8 +125,8 @@ def test_the_admin_login_shares_the_limit(client: Client, researcher: User, wind
 
 def test_forwarded_for_is_ignored_unless_trusted(client: Client, volunteer_user: User) -> None:
     for i in range(10):
-        form = {"username": f"guess-{i}", "password": WRONG}
-        client.post("/login/", form, HTTP_X_FORWARDED_FOR=f"10.0.0.{i}")
+        form = {"login": f"guess-{i}", "password": WRONG}
+        client.post("/accounts/login/", form, HTTP_X_FORWARDED_FOR=f"10.0.0.{i}")
     assert log_in(client, "alice", "alice-pass-123").status_code == 429
 
 
@@ -148,7 +151,7 @@ def test_client_ip(settings: Any, hops: int, forwarded: str, remote: str, expect
 
 def sign_up(client: Client, username: str, ip: str = "127.0.0.1") -> Any:
     form = {"username": username, "password1": "a-Long-pass-4821", "password2": "a-Long-pass-4821"}
-    response = client.post("/signup/", form, REMOTE_ADDR=ip)
+    response = client.post("/accounts/signup/", form, REMOTE_ADDR=ip)
     client.cookies.clear()  # signed up and logged in: log out for the next one
     return response
 
@@ -170,7 +173,9 @@ def test_sign_ups_per_address_are_limited(client: Client, settings: Any, window_
 def test_failed_sign_ups_do_not_count(client: Client, settings: Any) -> None:
     settings.CROWDTRAIN_SIGNUP_RATE = "2/h"
     for _ in range(5):
-        bad = client.post("/signup/", {"username": "x", "password1": "a-Long-pass-4821", "password2": "no"})
+        bad = client.post(
+            "/accounts/signup/", {"username": "x", "password1": "a-Long-pass-4821", "password2": "no"}
+        )
         assert bad.status_code == 200
     assert sign_up(client, "finally").status_code == 302
 

@@ -38,8 +38,19 @@ def validator_args() -> list[str]:
     return ["worker", "-Q", "validation", "--pool", "solo", "-n", "validator@%h"]
 
 
+# The baseline worker's niceness: the kernel gives it CPU only when the others leave some.
+BASELINE_NICE = 19
+
+
+def baseline_args() -> list[str]:
+    """A third worker, for the `baseline` queue only: the one-CPU time-to-accuracy baselines train for
+    minutes each, so they get a process of their own (concurrency 1) that nothing else waits behind, run at
+    the lowest CPU priority (`nice`) so that it never slows validation or a round."""
+    return ["worker", "-Q", "baseline", "--pool", "solo", "-n", "baseline@%h"]
+
+
 def platform_children(host: str, port: int, beat_schedule: Path) -> list[Child]:
-    """daphne, two celery workers and celery beat, all run by this very interpreter."""
+    """daphne, three celery workers and celery beat, all run by this very interpreter."""
     python = [sys.executable, "-m"]
     celery = [*python, "celery", "-A", "config"]
     return [
@@ -49,6 +60,7 @@ def platform_children(host: str, port: int, beat_schedule: Path) -> list[Child]:
         ),
         Child("worker", [*celery, *worker_args(), "-l", "info"]),
         Child("validator", [*celery, *validator_args(), "-l", "info"]),
+        Child("baseline", ["nice", "-n", str(BASELINE_NICE), *celery, *baseline_args(), "-l", "info"]),
         Child("beat", [*celery, "beat", "-l", "info", "-s", str(beat_schedule)]),
     ]
 
