@@ -9,6 +9,7 @@ import pytest
 
 from projects.models import Baseline, BaselinePoint, Metric, Project
 from projects.services import version_publish, version_weights
+from tests.conftest import launch_options
 
 pytestmark = [pytest.mark.browser, pytest.mark.slow]
 
@@ -32,6 +33,20 @@ def orm_beside_playwright() -> Iterator[None]:
         yield
 
 
+@pytest.fixture
+def own_browser() -> Iterator[Any]:
+    """A Playwright of this test's own, stopped when it ends. The session's `browser` would keep Playwright's
+    event loop marked running in this thread for the rest of the session, and every later test of the
+    live_server / transactional group (which pytest-django runs together, before the database-free browser
+    tests) would be refused by Django's async-safety check."""
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as pw:
+        instance = pw.chromium.launch(**launch_options())
+        yield instance
+        instance.close()
+
+
 def publish(project: Project, number: int, accuracy: float) -> None:
     weights = version_weights(version=project.current_version())
     version = version_publish(project=project, number=number, weights=weights, momentum={}, samples=100)
@@ -39,14 +54,14 @@ def publish(project: Project, number: int, accuracy: float) -> None:
 
 
 def test_the_charts_update_without_a_reload_when_a_version_and_a_metric_arrive(
-    live_server: Any, mlp_project: Any, browser: Any
+    live_server: Any, mlp_project: Any, own_browser: Any
 ) -> None:
-    # The database fixtures come before `browser`: the test database must exist before Playwright starts.
+    # The database fixtures come before the browser: the test database must exist before Playwright starts.
     Metric.objects.create(
         project=mlp_project, version=mlp_project.current_version(), name="test_accuracy", value=0.1
     )
     baseline = Baseline.objects.get(project=mlp_project)
-    context = browser.new_context(viewport={"width": 1280, "height": 900})
+    context = own_browser.new_context(viewport={"width": 1280, "height": 900})
     page = context.new_page()
     errors: list[str] = []
     page.on("pageerror", lambda exc: errors.append(str(exc)))
