@@ -414,7 +414,9 @@
   // -sum(q * log_softmax(z)) / total, q [N, C] holding each position's weight on each class.
   function targetWeights(target, weight, c, a) {
     const ids = target.reshape([-1]).toInt();
-    const oneHot = tf.oneHot(ids, c, 1, 0, "float32"); // all zeros for an out-of-range ignore_index such as -100
+    // All zeros for an out-of-range ignore_index such as -100. Cast, not oneHot's dtype argument: TF.js 4.22's
+    // WASM kernel ignores it and hands back int32 bits read as float32 (a loss of 2e-44; test_worker.py).
+    const oneHot = tf.oneHot(ids, c).toFloat();
     // The usual case, in two kernels: an ignore_index that is no class id is exactly the rows oneHot zeroes
     // (other labels outside [0, C) would count nowhere too, where torch raises: datasets refuse them).
     const plain = !weight && a.label_smoothing === 0 && (a.ignore_index < 0 || a.ignore_index >= c);
