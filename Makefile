@@ -28,14 +28,16 @@ define forget-old-stamps
 find $(VENV) -maxdepth 1 -name '.installed-*' ! -name '$(notdir $(RUN_STAMP))' ! -name '$(notdir $(DEV_STAMP))' -delete
 endef
 
-.PHONY: help run test test-js lint docker setup setup-dev vendor fuzz
+.PHONY: help run test test-js lint docker setup setup-dev vendor fuzz messages bench-server
 
 help:
 	@echo "make run     set up (.venv, npm, database, admin, demo data) and run the platform on http://127.0.0.1:8000"
 	@echo "make test    set up the dev tools and run the whole test suite"
 	@echo "make test-js the browser engine's shared facts (engine/spec.json) in Node, no browser"
 	@echo "make lint    ruff (lint and format), mypy (tests and benchmarks too) and eslint; part of make test"
+	@echo "make messages  update locale/*/django.po from the templates and code, and compile them (needs GNU gettext)"
 	@echo "make fuzz    the long protocol fuzz against the real stack (FUZZ_ARGS=\"--frames 100000 --minutes 30\")"
+	@echo "make bench-server  the server's costs (aggregation before/after); benchmarks/results/server-*.json"
 	@echo "make docker  docker compose up --build (production shape; needs .env, see platform/env.example)"
 
 $(PY):
@@ -87,6 +89,19 @@ test-js:
 FUZZ_ARGS ?=
 fuzz: setup-dev
 	$(PY) -m benchmarks.security.fuzz $(FUZZ_ARGS)
+
+# benchmarks/server: the server's costs on this machine (aggregation: an int8 ResNet-18 update folded into its
+# round and a version published, before and after issue 15); a table and benchmarks/results/server-*.json.
+# Uses a scratch PostgreSQL database (BENCH_SERVER_ARGS="--database NAME", dropped and created anew).
+BENCH_SERVER_ARGS ?=
+bench-server: setup-dev
+	$(PY) -m benchmarks.server.run $(BENCH_SERVER_ARGS)
+
+# The compiled .mo files are committed, so running the platform needs no gettext; translators run this.
+MESSAGE_DIRS := --ignore=.venv --ignore=node_modules --ignore=var --ignore=tests --ignore=benchmarks --ignore=client --ignore=frontend/vendor
+messages: $(RUN_STAMP)
+	$(PY) manage.py makemessages --locale fr --no-obsolete --no-location $(MESSAGE_DIRS)
+	$(PY) manage.py compilemessages --locale fr $(MESSAGE_DIRS)
 
 lint: $(DEV_STAMP) $(NODE_STAMP)
 	$(PY) -m ruff check .

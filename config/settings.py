@@ -9,6 +9,7 @@ from datetime import timedelta
 from pathlib import Path
 
 import dj_database_url
+from celery.schedules import crontab
 
 BASE_DIR = Path(__file__).resolve().parent.parent
 VAR_DIR = Path(os.environ.get("CROWDTRAIN_VAR_DIR", BASE_DIR / "var"))
@@ -40,6 +41,7 @@ INSTALLED_APPS = [
     "django.contrib.messages",
     "django.contrib.staticfiles",
     "django.contrib.humanize",
+    "django_countries",  # country names, translated
     "rest_framework",
     "channels",
     "projects",
@@ -59,6 +61,8 @@ MIDDLEWARE = [
     "django.middleware.security.SecurityMiddleware",
     "whitenoise.middleware.WhiteNoiseMiddleware",
     "django.contrib.sessions.middleware.SessionMiddleware",
+    # After sessions (a chosen language is kept there and in a cookie), before common (redirects).
+    "django.middleware.locale.LocaleMiddleware",
     "django.middleware.common.CommonMiddleware",
     "django.middleware.csrf.CsrfViewMiddleware",
     "django.contrib.auth.middleware.AuthenticationMiddleware",
@@ -118,7 +122,10 @@ AUTHENTICATION_BACKENDS = [
 LOGIN_REDIRECT_URL = "contribute"
 LOGOUT_REDIRECT_URL = "home"
 
-LANGUAGE_CODE = "en-us"
+LANGUAGE_CODE = "en"
+# Volunteer-facing pages and e-mails; the admin and researchers' tools stay in English where untranslated.
+LANGUAGES = [("en", "English"), ("fr", "Français")]
+LOCALE_PATHS = [BASE_DIR / "locale"]
 TIME_ZONE = "UTC"
 USE_I18N = True
 USE_TZ = True
@@ -128,6 +135,8 @@ STATIC_ROOT = Path(os.environ.get("STATIC_ROOT", VAR_DIR / "static"))
 STATICFILES_DIRS = [("vendor", BASE_DIR / "frontend" / "vendor")]
 MEDIA_ROOT = Path(os.environ.get("MEDIA_ROOT", VAR_DIR / "media"))
 BLOB_ROOT = MEDIA_ROOT / "blobs"
+# The daily BOINC-style statistics dumps (workers/stats.py), public at /stats/.
+STATS_ROOT = Path(os.environ.get("STATS_ROOT", VAR_DIR / "stats"))
 STORAGES = {
     "default": {"BACKEND": "django.core.files.storage.FileSystemStorage"},
     "staticfiles": {
@@ -137,6 +146,26 @@ STORAGES = {
             else "django.contrib.staticfiles.storage.StaticFilesStorage"
         )
     },
+    # Blobs (weights, dataset shards, updates): files under BLOB_ROOT, or an S3-compatible bucket shared by
+    # web and worker processes on several machines (django-storages; projects/blob_store.py) when
+    # CROWDTRAIN_BLOB_BUCKET is set. Credentials come from AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY.
+    "blobs": (
+        {
+            "BACKEND": "storages.backends.s3.S3Storage",
+            "OPTIONS": {
+                "bucket_name": os.environ["CROWDTRAIN_BLOB_BUCKET"],
+                "location": os.environ.get("CROWDTRAIN_BLOB_PREFIX", "blobs"),
+                "endpoint_url": os.environ.get("AWS_S3_ENDPOINT_URL") or None,  # MinIO, Ceph, R2...
+                "region_name": os.environ.get("AWS_S3_REGION_NAME") or None,
+                "addressing_style": os.environ.get("AWS_S3_ADDRESSING_STYLE") or None,  # "path" for MinIO
+                "file_overwrite": True,  # content-addressed: the same name is the same bytes
+                "default_acl": None,  # private: daphne serves blobs and decides who may read them
+                "max_memory_size": 8 * 2**20,  # a blob being served spills to a temporary file past this
+            },
+        }
+        if os.environ.get("CROWDTRAIN_BLOB_BUCKET")
+        else {"BACKEND": "django.core.files.storage.FileSystemStorage", "OPTIONS": {"location": BLOB_ROOT}}
+    ),
 }
 
 REDIS_URL = os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0")
@@ -173,6 +202,11 @@ CELERY_BEAT_SCHEDULE = {
         "schedule": float(os.environ.get("CROWDTRAIN_STORAGE_SWEEP_SECONDS", 60)),
     },
     "queue-baselines": {"task": "projects.tasks.queue_baselines", "schedule": 60.0},
+    # BOINC projects dump their statistics once a day; the minute is arbitrary (off the hour's peak).
+    "export-stats": {
+        "task": "workers.tasks.export_stats",
+        "schedule": crontab(minute=17, hour=int(os.environ.get("CROWDTRAIN_STATS_HOUR", 3))),
+    },
 }
 
 REST_FRAMEWORK = {
@@ -208,11 +242,28 @@ SPECTACULAR_SETTINGS = {
 # Accounts (django-allauth): a username and a password; an e-mail address is optional (password resets).
 ACCOUNT_LOGIN_METHODS = {"username"}
 ACCOUNT_SIGNUP_FIELDS = ["username*", "email", "password1*", "password2*"]
+# An address given is mailed a link that verifies it; the account works before that (resets need it).
 ACCOUNT_EMAIL_VERIFICATION = "optional"
+# One address per account, changed rather than added to (the new one is verified before it replaces it).
+ACCOUNT_CHANGE_EMAIL = True
+ACCOUNT_EMAIL_SUBJECT_PREFIX = "[Crowdtrain] "
+# The scheme of the links in mails (verification, reset): the site is HTTPS-only in production.
+ACCOUNT_DEFAULT_HTTP_PROTOCOL = "https" if PRODUCTION else "http"
 ACCOUNT_FORMS = {"login": "accounts.forms.ThrottledLoginForm", "signup": "accounts.forms.ThrottledSignupForm"}
-# Logins and sign-ups are throttled by frontend/throttle.py's counters (shared with the admin's login);
-# allauth's own limits on them would refuse the simulated volunteers that all sign in from 127.0.0.1.
-ACCOUNT_RATE_LIMITS = {"login": None, "login_failed": None, "signup": None}
+# Logins and sign-ups are throttled by frontend/throttle.py's counters (shared with the admin's login, the
+# 429 of its throttled_status); allauth's own limits on them would refuse the simulated volunteers that all
+# sign in from 127.0.0.1. allauth limits the rest (a 429, accounts/templates/429.html): reset mails per
+# address and per e-mail, following reset links, verification mails (one per 3 minutes), password changes.
+ACCOUNT_RATE_LIMITS = {
+    "login": None,
+    "login_failed": None,
+    "signup": None,
+    "reset_password": "20/m/ip,5/m/key",
+    "reset_password_from_key": "20/m/ip",
+    "confirm_email": "1/3m/key",
+    "change_password": "5/m/user",
+    "manage_email": "10/m/user",
+}
 ACCOUNT_LOGOUT_REDIRECT_URL = "home"
 ALLAUTH_TRUSTED_PROXY_COUNT = int(os.environ.get("CROWDTRAIN_TRUSTED_PROXIES", 0))
 # Mail (password resets, address confirmation): printed to the console locally, SMTP in production.
@@ -224,7 +275,11 @@ EMAIL_HOST = os.environ.get("DJANGO_EMAIL_HOST", "localhost")
 EMAIL_PORT = int(os.environ.get("DJANGO_EMAIL_PORT", 587))
 EMAIL_HOST_USER = os.environ.get("DJANGO_EMAIL_HOST_USER", "")
 EMAIL_HOST_PASSWORD = os.environ.get("DJANGO_EMAIL_HOST_PASSWORD", "")
-EMAIL_USE_TLS = env_bool("DJANGO_EMAIL_USE_TLS", True)
+# STARTTLS (port 587), unless implicit TLS (port 465) is asked for: at most one of the two.
+EMAIL_USE_SSL = env_bool("DJANGO_EMAIL_USE_SSL", False)
+EMAIL_USE_TLS = env_bool("DJANGO_EMAIL_USE_TLS", not EMAIL_USE_SSL)
+# Mail is sent while the page waits (sign-up, reset): a dead SMTP server costs seconds, not a hung worker.
+EMAIL_TIMEOUT = int(os.environ.get("DJANGO_EMAIL_TIMEOUT", 10))
 DEFAULT_FROM_EMAIL = os.environ.get("DJANGO_DEFAULT_FROM_EMAIL", "Crowdtrain <noreply@localhost>")
 SERVER_EMAIL = DEFAULT_FROM_EMAIL
 

@@ -19,6 +19,7 @@ urlpatterns = [
     path("admin/login/", throttled_status(admin.site.login)),
     path("admin/dashboard/", admin.site.admin_view(admin_dashboard), name="admin-dashboard"),
     path("admin/", admin.site.urls),
+    path("i18n/", include("django.conf.urls.i18n")),
     path("", include("accounts.urls")),
     path("", include("frontend.urls")),
     path("", include("projects.urls")),

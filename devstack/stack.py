@@ -18,6 +18,23 @@ from config.management.commands.runplatform import BASELINE_NICE, baseline_args,
 
 ROOT = Path(__file__).resolve().parents[1]
 PYTHON = sys.executable
+ASGI_APP = "config.asgi:application"
+# Results arrive as one WebSocket frame (CROWDTRAIN_MAX_RESULT_BYTES' default, plus headroom).
+FRAME_LIMIT = str(129 * 2**20)
+DAPHNE_LIMITS = ("--websocket-max-message-size", FRAME_LIMIT, "--websocket-max-frame-size", FRAME_LIMIT)
+
+
+def replica(role: str, index: int) -> str:
+    """The process name of replica `index` of `role`: the first keeps the plain name (web, worker)."""
+    return role if index == 0 else f"{role}-{index + 1}"
+
+
+def _answers(url: str) -> bool:
+    try:
+        urllib.request.urlopen(url + "/", timeout=2)
+    except OSError:
+        return False
+    return True
 
 
 def free_port() -> int:
@@ -45,11 +62,21 @@ class Stack:
     extra_env: dict[str, str] = field(default_factory=dict)
     round_timeout: int | None = None  # seconds, for every seeded project (None: the demo's own)
     startup_timeout: float = 60  # seconds for daphne to answer (its imports take minutes on a loaded machine)
+    # Horizontal scale as in production: N daphne processes (the first on `port`, the others on free ports;
+    # the channel layer in Redis joins them) and N Celery workers on both queues.
+    webs: int = 1
+    workers: int = 1
+    web_ports: dict[str, int] = field(default_factory=dict)
     processes: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
 
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def urls(self) -> list[str]:
+        """Every daphne's address, in process order (`url` first)."""
+        return [f"http://127.0.0.1:{port}" for port in self.web_ports.values()] or [self.url]
 
     def env(self) -> dict[str, str]:
         env = {k: v for k, v in os.environ.items() if k != "CELERY_TASK_ALWAYS_EAGER"}
@@ -96,21 +123,15 @@ class Stack:
 
     def spawn_processes(self) -> None:
         """daphne, the Celery workers and beat, each its own process, as in production."""
-        self._spawn(
-            "web",
-            "-m",
-            "daphne",
-            "-b",
-            "127.0.0.1",
-            "-p",
-            str(self.port),
-            "--websocket-max-message-size",
-            str(129 * 2**20),
-            "--websocket-max-frame-size",
-            str(129 * 2**20),
-            "config.asgi:application",
-        )
-        self._spawn("worker", "-m", "celery", "-A", "config", *worker_args(), "-l", "info")
+        for index in range(self.webs):
+            name = replica("web", index)
+            port = self.web_ports.setdefault(name, self.port if index == 0 else free_port())
+            self._spawn(name, "-m", "daphne", "-b", "127.0.0.1", "-p", str(port), *DAPHNE_LIMITS, ASGI_APP)
+        for index in range(self.workers):
+            name = replica("worker", index)
+            # Celery's node names must differ, or the workers' control commands (and logs) mix them up.
+            node = ("-n", f"{name}@%h") if index else ()
+            self._spawn(name, "-m", "celery", "-A", "config", *worker_args(), *node, "-l", "info")
         self._spawn("validator", "-m", "celery", "-A", "config", *validator_args(), "-l", "info")
         self._spawn(
             "baseline", "-m", "celery", "-A", "config", *baseline_args(), "-l", "info", nice=BASELINE_NICE
@@ -139,15 +160,20 @@ class Stack:
             stderr=subprocess.STDOUT,
         )
 
-    def _wait_for_http(self, timeout: float = 60) -> None:
+    def _wait_for_http(self, timeout: float = 60, urls: list[str] | None = None) -> None:
         deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            try:
-                urllib.request.urlopen(self.url + "/", timeout=2)
-                return
-            except OSError:
+        for url in self.urls if urls is None else urls:
+            while not _answers(url):
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"daphne did not answer on {url}; see {self.var_dir}/web*.log")
+                self._fail_if_dead()
                 time.sleep(0.5)
-        raise RuntimeError(f"daphne did not answer on {self.url}; see {self.var_dir}/web.log")
+
+    def _fail_if_dead(self) -> None:
+        """A process that died while starting (an import error) fails the start now, not at the timeout."""
+        dead = [name for name, process in self.processes.items() if process.poll() is not None]
+        if dead:
+            raise RuntimeError(f"{', '.join(dead)} exited while starting; see their logs in {self.var_dir}")
 
     def stop(self) -> None:
         for process in self.processes.values():

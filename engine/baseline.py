@@ -88,14 +88,7 @@ def _sgd_step(
         buffers.append(result.buffers)
         losses.append(result.loss)
     grad = aggregate.weighted_mean(grads, sizes)
-    params, new_state = optim.sgd_step(
-        weights,
-        grad,
-        state,
-        lr=recipe.learning_rate,
-        momentum=recipe.momentum,
-        weight_decay=recipe.weight_decay,
-    )
+    params, new_state = _server_step(weights, grad, state, recipe)
     trained = _trained(graph, buffers)
     return StepResult({**params, **_mean_buffers(trained, sizes)}, new_state, _mean(losses, sizes))
 
@@ -113,10 +106,22 @@ def _averaging_step(
         lr=recipe.local_learning_rate,
         momentum=recipe.local_momentum,
     )
-    params, new_state = optim.outer_nesterov_step(
-        weights, local.delta, state, lr=recipe.learning_rate, momentum=recipe.momentum
-    )
+    params, new_state = _server_step(weights, local.delta, state, recipe)
     return StepResult({**params, **_trained(graph, [local.buffers])[0]}, new_state, local.loss)
+
+
+def _server_step(
+    weights: Tensors, update: Tensors, state: Tensors, recipe: Recipe
+) -> tuple[Tensors, Tensors]:
+    return optim.server_step(
+        weights,
+        update,
+        state,
+        averaging=recipe.mode == "averaging",
+        lr=recipe.learning_rate,
+        momentum=recipe.momentum,
+        weight_decay=recipe.weight_decay,
+    )
 
 
 def _named(graph: Graph, x: Tensor, y: Tensor) -> tuple[dict[str, Tensor], dict[str, Tensor]]:

@@ -1,7 +1,10 @@
 """Tensor codecs over safetensors (docs/protocol.md "Tensors"): fp32, fp16 and blockwise int8.
 
 Decoding only ever parses safetensors (a JSON header plus raw little-endian arrays), so bytes from
-volunteers can never execute code; everything is validated and garbage raises CodecError.
+volunteers can never execute code; everything is validated and garbage raises CodecError. The arrays are
+read in place (torch.frombuffer): parse() checks a blob and gives a Packed, whose int8 tensors are
+dequantized only where they are used, a cache-sized chunk at a time, so that an update can be checked and
+folded into a round's sum without ever holding a float copy of it (engine/aggregate.py, projects/).
 """
 
 from __future__ import annotations
@@ -9,14 +12,15 @@ from __future__ import annotations
 import json
 import math
 import struct
-from collections.abc import Mapping
+import threading
+import warnings
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
+from functools import lru_cache
 from typing import Any
 
 import numpy as np
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load as st_load
-from safetensors.torch import save as st_save
 from torch import Tensor
 
 CODECS = ("fp32", "fp16", "int8")
@@ -42,6 +46,29 @@ ITEMSIZES = {
     "U8": 1,
     "BOOL": 1,
 }
+TORCH_DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
+SAFETENSORS_DTYPES = {dtype: name for name, dtype in TORCH_DTYPES.items()}
+METADATA = "__metadata__"
+# Elements per step of the int8 loops (a 2 MB float32 copy): big enough that the few torch calls per step
+# cost little, small enough to stay in the cache.
+CHUNK = 1 << 19
+# int8 tensors up to this size (biases, norms: most of a model's tensors, few of its values) are dequantized
+# together by gathering rather than one loop each, whose fixed cost would outweigh theirs.
+SMALL = 1 << 14
+# Headers up to this size are parsed and checked once per process (updates of one model share theirs).
+CACHED_HEADER = 1 << 20
+FLOAT32_MAX = float(torch.finfo(torch.float32).max)
 
 
 class CodecError(ValueError):
@@ -57,29 +84,88 @@ def _as_tensor(value: Tensor | np.ndarray) -> Tensor:
 
 
 def quantize_int8(x: Tensor, block_size: int) -> tuple[Tensor, Tensor]:
-    """(int8 values with x's shape, one float32 absmax/127 scale per block of the flat tensor)."""
+    """(int8 values with x's shape, one float32 absmax/127 scale per block of the flat tensor): per block,
+    round(x / scale) (x / 1 for an all-zero block, whose scale stays 0), a cache-sized chunk at a time."""
     flat = x.detach().float().reshape(-1)
-    blocks = math.ceil(flat.numel() / block_size)
-    padded = torch.zeros(blocks * block_size)
-    padded[: flat.numel()] = flat
-    padded = padded.view(blocks, block_size)
-    scale = padded.abs().amax(dim=1) / 127.0
-    # An all-zero block keeps scale 0; divide by 1 there to avoid 0/0.
-    q = torch.round(padded / torch.where(scale > 0, scale, 1.0)[:, None]).clamp_(-127, 127)
-    return q.to(torch.int8).reshape(-1)[: flat.numel()].reshape(x.shape), scale
+    q, scale = torch.empty(flat.shape, dtype=torch.int8), torch.empty(math.ceil(flat.numel() / block_size))
+    (x_full, x_rest), (q_full, q_rest) = _rows(flat, block_size), _rows(q, block_size)
+    full, rows = x_full.shape[0], max(1, CHUNK // block_size)
+    scratch, s_full = _scratch(min(full, rows) * block_size).view(-1, block_size), scale[:full]
+    for first in range(0, full, rows):
+        values = scratch if first + rows <= full else scratch[: full - first]
+        _quantize_rows(
+            x_full[first : first + rows], values, q_full[first : first + rows], s_full[first : first + rows]
+        )
+    if x_rest.numel():
+        _quantize_rows(x_rest, torch.empty(x_rest.shape), q_rest, scale[full:])
+    return q.reshape(x.shape), scale
+
+
+def _quantize_rows(x: Tensor, work: Tensor, q: Tensor, scale: Tensor) -> None:
+    torch.abs(x, out=work)
+    torch.amax(work, dim=1, out=scale)
+    scale.div_(127.0)
+    torch.div(x, torch.where(scale > 0, scale, 1.0)[:, None], out=work)
+    q.copy_(work.round_().clamp_(-127, 127))
 
 
 def dequantize_int8(q: Tensor, scale: Tensor, block_size: int) -> Tensor:
-    flat = q.reshape(-1).float()
-    per_element = scale.float().repeat_interleave(block_size)[: flat.numel()]
-    return (flat * per_element).reshape(q.shape)
+    """value = int8 * the scale of its block of the flattened tensor, as float32."""
+    out = torch.empty(q.shape)
+    for values, scales, target in _int8_steps(q, scale, block_size, out):
+        torch.mul(values, scales, out=target)
+    return out
+
+
+def _rows(t: Tensor, block_size: int) -> tuple[Tensor, Tensor]:
+    """A contiguous tensor's elements as rows of whole blocks, and the partial last block as one row."""
+    flat = t.reshape(-1)
+    full = flat.numel() // block_size
+    return flat[: full * block_size].view(full, block_size), flat[full * block_size :].view(1, -1)
+
+
+def _int8_steps(
+    q: Tensor, scale: Tensor, block_size: int, out: Tensor | None = None
+) -> Iterator[tuple[Tensor, Tensor, Tensor]]:
+    """(float32 copy of some rows of blocks of `q`, their scales as a column, the same rows of `out`) for
+    CHUNK elements at a time, then the partial last block. The loops over them (dequantising, folding into a
+    sum, norms) fill one cache-sized copy at a time rather than a float copy of the whole tensor: allocating
+    and filling that cost more than their arithmetic. One loop at a time per thread (the copy is reused)."""
+    q_full, q_rest = _rows(q, block_size)
+    o_full, o_rest = _rows(out, block_size) if out is not None else (q_full, q_rest)
+    full, rows = q_full.shape[0], max(1, CHUNK // block_size)
+    s_full, s_rest = scale[:full, None], scale[full:, None]
+    scratch = _scratch(min(full, rows) * block_size).view(-1, block_size)
+    for first in range(0, full, rows):
+        values = scratch if first + rows <= full else scratch[: full - first]
+        values.copy_(q_full[first : first + rows])
+        yield values, s_full[first : first + rows], o_full[first : first + rows]
+    if q_rest.numel():
+        yield q_rest.float(), s_rest, o_rest
+
+
+_local = threading.local()
+
+
+def _scratch(size: int) -> Tensor:
+    buffer: Tensor | None = getattr(_local, "scratch", None)
+    if buffer is None or buffer.numel() < size:
+        buffer = _local.scratch = torch.empty(max(size, CHUNK))
+    return buffer[:size]
+
+
+def _memory(t: Tensor) -> memoryview:
+    """The tensor's bytes without a copy (it is contiguous)."""
+    return t.reshape(-1).view(torch.uint8).numpy().data
 
 
 def _encode_one(name: str, t: Tensor, codec: str, block_size: int, out: dict[str, Tensor]) -> None:
+    if t.dtype not in SAFETENSORS_DTYPES:
+        raise CodecError(f"tensor '{name[:100]}': cannot encode {t.dtype}")
     if not t.is_floating_point():
-        out[name] = t.contiguous().clone()  # labels/token ids travel unchanged
+        out[name] = t.contiguous()  # labels/token ids travel unchanged
     elif codec == "fp32":
-        out[name] = t.float().contiguous().clone()
+        out[name] = t.float().contiguous()
     elif codec == "fp16":
         out[name] = t.half().contiguous()
     else:
@@ -92,6 +178,19 @@ def encode(
     block_size: int = 256,
     metadata: Mapping[str, str] | None = None,
 ) -> bytes:
+    """safetensors bytes: the tensors (floats under `codec`) and metadata with the codec and block size."""
+    return b"".join(encode_parts(tensors, codec, block_size, metadata))
+
+
+def encode_parts(
+    tensors: Mapping[str, Tensor | np.ndarray],
+    codec: str = "fp32",
+    block_size: int = 256,
+    metadata: Mapping[str, str] | None = None,
+) -> list[memoryview]:
+    """encode's bytes in pieces, to hash and write one after the other instead of joining them: the header,
+    then each tensor's own memory where it can be (float32 tensors under fp32 are not copied). The pieces
+    share memory with `tensors`, so use them before changing those."""
     if codec not in CODECS:
         raise CodecError(f"unknown codec {codec!r} (expected one of {list(CODECS)})")
     if not 0 < block_size <= MAX_BLOCK_SIZE:
@@ -100,11 +199,34 @@ def encode(
     for name, value in tensors.items():
         entries: dict[str, Tensor] = {}
         _encode_one(name, _as_tensor(value), codec, block_size, entries)
-        if any(key in out for key in entries):
-            raise CodecError(f"tensor '{name}' collides with a '{SCALE_SUFFIX}' scale entry")
+        if any(key in out or key == METADATA for key in entries):
+            raise CodecError(f"tensor '{name}' collides with a '{SCALE_SUFFIX}' scale entry or the metadata")
         out.update(entries)
     meta = {**(metadata or {}), "codec": codec, "block_size": str(block_size)}
-    return bytes(st_save(out, metadata=meta))
+    if not all(isinstance(k, str) and isinstance(v, str) for k, v in meta.items()):
+        raise CodecError("metadata keys and values must be strings")
+    return _serialized(out, meta)
+
+
+def _serialized(tensors: Mapping[str, Tensor], meta: Mapping[str, str]) -> list[memoryview]:
+    # The safetensors layout: tensors with the widest elements first, so every one is aligned in the file
+    # (the header is padded to 8 bytes); sorted metadata, so the same tensors always give the same bytes.
+    order = sorted(tensors, key=lambda name: (-tensors[name].element_size(), name))
+    header: dict[str, Any] = {METADATA: dict(sorted(meta.items()))}
+    pieces, offset = [], 0
+    for name in order:
+        t = tensors[name]
+        size = t.numel() * t.element_size()
+        entry = {
+            "dtype": SAFETENSORS_DTYPES[t.dtype],
+            "shape": list(t.shape),
+            "data_offsets": [offset, offset + size],
+        }
+        header[name], offset = entry, offset + size
+        pieces.append(_memory(t))
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    return [memoryview(struct.pack("<Q", len(raw)) + raw), *pieces]
 
 
 # --- hostile JSON and safetensors headers -----------------------------------------------------------
@@ -147,7 +269,7 @@ def json_loads_bounded(data: bytes | str, max_depth: int = MAX_JSON_DEPTH) -> An
         raise ValueError(f"JSON nested too deeply (at most {max_depth} levels)") from None
 
 
-def check_header_length(prefix: bytes, max_header: int = MAX_HEADER) -> int:
+def check_header_length(prefix: bytes | memoryview, max_header: int = MAX_HEADER) -> int:
     """The header length declared by a safetensors file's first 8 bytes, if at most ``max_header``:
     callers holding a file can refuse a huge header before reading the rest."""
     if len(prefix) < 8:
@@ -158,23 +280,18 @@ def check_header_length(prefix: bytes, max_header: int = MAX_HEADER) -> int:
     return int(size)
 
 
-def _read_header(data: bytes, max_header: int) -> tuple[dict[str, Any], int]:
-    """The parsed JSON header and the size of the byte buffer after it; the length field is checked
-    before anything is parsed, so a huge declared header costs nothing."""
-    size = check_header_length(data, max_header)
-    if size > len(data) - 8:
-        raise CodecError("not a safetensors file (bad header length)")
+def _read_header(raw: bytes) -> dict[str, Any]:
     try:
-        header = json_loads_bounded(data[8 : 8 + size])
+        header = json_loads_bounded(raw)
     except ValueError as exc:  # includes UnicodeDecodeError
         raise CodecError(f"not a safetensors file (bad header: {str(exc)[:200]})") from None
     if not isinstance(header, dict):
         raise CodecError("not a safetensors file (the header is not an object)")
-    return header, len(data) - 8 - size
+    return header
 
 
 def _read_metadata(header: Mapping[str, Any]) -> dict[str, str]:
-    meta = header.get("__metadata__", {})
+    meta = header.get(METADATA, {})
     if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
         raise CodecError("bad safetensors metadata")
     return meta
@@ -205,7 +322,7 @@ def _check_entry(name: str, info: Any, buffer: int) -> None:
 
 
 def _check_entries(header: Mapping[str, Any], buffer: int) -> None:
-    names = [name for name in header if name != "__metadata__"]
+    names = [name for name in header if name != METADATA]
     if len(names) > MAX_TENSORS:
         raise CodecError(f"{len(names):,} tensors (at most {MAX_TENSORS:,})")
     for name in names:
@@ -220,74 +337,349 @@ def _parse_block_size(meta: Mapping[str, str]) -> int:
     return int(raw)
 
 
-def _decode_int8(raw: dict[str, Tensor], block_size: int) -> dict[str, Tensor]:
-    out: dict[str, Tensor] = {}
-    for name, t in raw.items():
-        if name.endswith(SCALE_SUFFIX) and name[: -len(SCALE_SUFFIX)] in raw:
-            continue
-        if t.dtype != torch.int8:
-            out[name] = _plain(name, t)
-            continue
-        scale = raw.get(name + SCALE_SUFFIX)
-        blocks = math.ceil(t.numel() / block_size)
-        if scale is None or scale.dtype != torch.float32 or tuple(scale.shape) != (blocks,):
-            raise CodecError(f"tensor '{name}': missing or malformed '{name}{SCALE_SUFFIX}'")
-        if not bool(torch.isfinite(scale).all()):
-            raise CodecError(f"tensor '{name}': non-finite scales")
-        out[name] = dequantize_int8(t, scale, block_size)
-    return out
+def _check_layout(header: Mapping[str, Any], buffer: int) -> None:
+    """The tensors' bytes tile the buffer, as safetensors requires: no overlap, no gap, nothing after."""
+    end = 0
+    for begin, stop in sorted(
+        tuple(info["data_offsets"]) for name, info in header.items() if name != METADATA
+    ):
+        if begin != end:
+            raise CodecError(f"tensor data at bytes {begin:,}-{stop:,} overlaps or leaves a gap before it")
+        end = stop
+    if end != buffer:
+        raise CodecError(f"the tensors' data ends at byte {end:,} of a buffer of {buffer:,}")
 
 
-def _plain(name: str, t: Tensor) -> Tensor:
-    if t.is_floating_point():
-        return t.float()
-    if t.dtype in (torch.int32, torch.int64, torch.uint8, torch.int16, torch.bool):
-        return t
-    raise CodecError(f"tensor '{name}': unexpected dtype {t.dtype}")
+@dataclass(frozen=True)
+class _Gather:
+    """Small int8 tensors dequantized in one go: for each of their elements, its byte in the data and the
+    float32 index there of its block's scale."""
+
+    names: tuple[str, ...]
+    sizes: tuple[int, ...]
+    values: Tensor
+    scales: Tensor
 
 
-def decode(data: bytes, max_header: int = MAX_HEADER) -> tuple[dict[str, Tensor], dict[str, str]]:
-    """Tensors (floats as float32, integers unchanged) and the metadata of an encoded blob.
+@dataclass(frozen=True)
+class _Layout:
+    """A checked header: what a blob holds and where (byte offsets into the data after the header)."""
 
-    Hostile bytes only ever raise CodecError: the header's size, nesting and every entry's dtype, shape
-    and offsets are checked before anything is allocated, and whatever else goes wrong is wrapped.
-    """
-    if not isinstance(data, (bytes, bytearray, memoryview)):
-        raise CodecError("expected bytes")
-    try:
-        return _decode(bytes(data), max_header)
-    except CodecError:
-        raise
-    except (
-        ValueError,
-        TypeError,
-        KeyError,
-        IndexError,
-        OverflowError,
-        RuntimeError,
-        RecursionError,
-        MemoryError,
-    ) as exc:
-        raise CodecError(f"invalid safetensors data ({type(exc).__name__}: {str(exc)[:200]})") from None
+    codec: str
+    block_size: int
+    meta: dict[str, str]
+    tensors: dict[str, tuple[torch.dtype, tuple[int, ...], int]]  # dtype, shape, offset (scales excluded)
+    scales: dict[str, int]  # an int8 tensor's name: the offset of its float32 block scales
+    scale_spans: tuple[tuple[int, int], ...]  # the bytes holding every scale, adjacent ranges merged
+    gathers: dict[tuple[str, ...], _Gather | None] = field(default_factory=dict)
+
+    def gather(self, names: tuple[str, ...]) -> _Gather | None:
+        """The gather of the small int8 tensors among `names`, if any (and their scales are aligned)."""
+        if names not in self.gathers:
+            if len(self.gathers) > 16:
+                self.gathers.clear()  # names come from the server's graphs: a few sets per model
+            self.gathers[names] = self._gather(names)
+        return self.gathers[names]
+
+    def _gather(self, names: tuple[str, ...]) -> _Gather | None:
+        small = [n for n in names if n in self.scales and math.prod(self.tensors[n][1]) <= SMALL]
+        if not small or any(self.scales[n] % 4 for n in small):
+            return None
+        sizes = tuple(math.prod(self.tensors[n][1]) for n in small)
+        offsets = [(self.tensors[n][2], self.scales[n] // 4) for n in small]
+        values = torch.cat(
+            [torch.arange(at, at + size) for (at, _), size in zip(offsets, sizes, strict=True)]
+        )
+        scales = torch.cat(
+            [
+                scale + torch.arange(size) // self.block_size
+                for (_, scale), size in zip(offsets, sizes, strict=True)
+            ]
+        )
+        return _Gather(tuple(small), sizes, values, scales)
 
 
-def _decode(data: bytes, max_header: int) -> tuple[dict[str, Tensor], dict[str, str]]:
-    header, buffer = _read_header(data, max_header)
+def _layout(raw: bytes, buffer: int) -> _Layout:
+    """The checked layout of a header (`raw`, its JSON) before `buffer` bytes of tensor data."""
+    return _cached_layout(raw, buffer) if len(raw) <= CACHED_HEADER else _new_layout(raw, buffer)
+
+
+@lru_cache(maxsize=32)
+def _cached_layout(raw: bytes, buffer: int) -> _Layout:
+    # Only what the header says is cached, never the data: a header is checked once, not once per update.
+    return _new_layout(raw, buffer)
+
+
+def _new_layout(raw: bytes, buffer: int) -> _Layout:
+    header = _read_header(raw)
     meta = _read_metadata(header)
     codec = meta.get("codec", "fp32")
     if codec not in CODECS:
         raise CodecError(f"unknown codec {codec[:20]!r}")
     block_size = _parse_block_size(meta)
     _check_entries(header, buffer)
+    _check_layout(header, buffer)
+    entries = {
+        name: (TORCH_DTYPES[info["dtype"]], tuple(info["shape"]), info["data_offsets"][0])
+        for name, info in header.items()
+        if name != METADATA
+    }
+    if codec != "int8":
+        if any(dtype == torch.int8 for dtype, _, _ in entries.values()):
+            raise CodecError(f"int8 tensors in a {codec} blob")
+        return _Layout(codec, block_size, meta, entries, {}, ())
+    return _int8_layout(entries, block_size, meta)
+
+
+def _int8_layout(
+    entries: dict[str, tuple[torch.dtype, tuple[int, ...], int]], block_size: int, meta: dict[str, str]
+) -> _Layout:
+    """Each int8 tensor paired with its scales (which are then no tensors of their own)."""
+    tensors, scales = {}, {}
+    for name, (dtype, shape, offset) in entries.items():
+        if name.endswith(SCALE_SUFFIX) and name[: -len(SCALE_SUFFIX)] in entries:
+            continue
+        tensors[name] = (dtype, shape, offset)
+        if dtype != torch.int8:
+            continue
+        scale = entries.get(name + SCALE_SUFFIX)
+        if scale is None or scale[:2] != (torch.float32, (math.ceil(math.prod(shape) / block_size),)):
+            raise CodecError(f"tensor '{name}': missing or malformed '{name}{SCALE_SUFFIX}'")
+        scales[name] = scale[2]
+    spans: list[tuple[int, int]] = []
+    for name, offset in sorted(scales.items(), key=lambda item: item[1]):
+        end = offset + 4 * math.ceil(math.prod(tensors[name][1]) / block_size)
+        if spans and spans[-1][1] == offset:
+            spans[-1] = (spans[-1][0], end)
+        else:
+            spans.append((offset, end))
+    return _Layout("int8", block_size, meta, tensors, scales, tuple(spans))
+
+
+class Packed(Mapping[str, Tensor]):
+    """A checked blob, not decoded yet: its tensors are views of its bytes, int8 ones with block scales.
+
+    As a mapping it decodes the tensor asked for (floats as float32). Its own methods work on the stored
+    values instead, a cache-sized chunk at a time: an update is checked (finite, sq_norm) and folded into a
+    round's sum (add_to) without a float copy of it ever being made.
+    """
+
+    def __init__(
+        self, data: dict[torch.dtype, Tensor], layout: _Layout, names: tuple[str, ...], largest: float
+    ):
+        # data: the bytes after the header viewed as each dtype that starts aligned (uint8 always).
+        self._data, self._layout, self._names, self._largest_scale = data, layout, names, largest
+        self.meta, self.block_size = dict(layout.meta), layout.block_size
+
+    def __getitem__(self, name: str) -> Tensor:
+        if name not in self._layout.tensors or name not in self._names:
+            raise KeyError(name)
+        return self._decoded(name, copy=True)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._names)
+
+    def __len__(self) -> int:
+        return len(self._names)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._names
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self._layout.tensors[name][1]
+
+    def dtype(self, name: str) -> torch.dtype:
+        """As stored (int8 for a quantised tensor)."""
+        return self._layout.tensors[name][0]
+
+    def is_float(self, name: str) -> bool:
+        return name in self._layout.scales or self._layout.tensors[name][0].is_floating_point
+
+    def select(self, names: Iterable[str]) -> Packed:
+        """The same blob limited to `names` (all of which it has)."""
+        chosen = tuple(names)
+        if not set(chosen) <= set(self._names):
+            raise KeyError(sorted(set(chosen) - set(self._names))[:5])
+        return Packed(self._data, self._layout, chosen, self._largest_scale)
+
+    def decode(self, *, copy: bool = True) -> dict[str, Tensor]:
+        """Every tensor decoded (floats as float32). copy=False lets float32 and integer tensors stay views
+        of the bytes parsed, so changing them changes those (they are writable if the bytes were)."""
+        return {name: self._decoded(name, copy=copy) for name in self._names}
+
+    def finite(self, name: str) -> bool:
+        """Whether every value of `name` (a float tensor) is finite once decoded."""
+        if name not in self._layout.scales:
+            return bool(torch.isfinite(self._stored(name)).all())
+        # Scales are finite (parse checked): only a product with one near float32's maximum can overflow,
+        # which no honest encoder makes, so only then are the values looked at.
+        if self._largest_scale * 128 <= FLOAT32_MAX:
+            return True
+        steps = _int8_steps(self._stored(name), self._scale(name), self.block_size)
+        return all(bool(torch.isfinite(values.mul_(scales)).all()) for values, scales, _ in steps)
+
+    def sq_norm(self) -> float:
+        """The squared L2 norm of all its tensors (floats: see finite), summed in float64."""
+        gather = self._gather()
+        alone = [name for name in self._names if gather is None or name not in gather.names]
+        total = sum(self._sq_norm(name) for name in alone)
+        if gather is not None:
+            total += float(self._gathered(gather).double().square().sum())
+        return total
+
+    def add_to(self, sums: Mapping[str, Tensor], weight: float) -> None:
+        """sums[name] += weight * each decoded tensor; int8 values are dequantized straight into the sums."""
+        for name in self._names:
+            if tuple(sums[name].shape) != self.shape(name):
+                raise ValueError(f"'{name}' has shape {self.shape(name)}, its sum {tuple(sums[name].shape)}")
+        gather = self._gather()
+        for name in self._names:
+            if gather is None or name not in gather.names:
+                self._add(name, sums[name], weight)
+        if gather is not None:
+            pieces = torch.split(self._gathered(gather).mul_(weight), list(gather.sizes))
+            for name, piece in zip(gather.names, pieces, strict=True):
+                sums[name].view(-1).add_(piece)
+
+    def _add(self, name: str, out: Tensor, weight: float) -> None:
+        if name not in self._layout.scales:
+            out.add_(self._stored(name), alpha=weight)
+            return
+        for values, scales, target in _int8_steps(
+            self._stored(name), self._scale(name) * weight, self.block_size, out
+        ):
+            target.addcmul_(values, scales)
+
+    def _sq_norm(self, name: str) -> float:
+        if name not in self._layout.scales:
+            return float(torch.linalg.vector_norm(self._stored(name), dtype=torch.float64)) ** 2
+        total = 0.0
+        # Per block: the norm of its int8 values (exact in float32 up to 2^20 of them) times its scale.
+        for values, scales, _ in _int8_steps(self._stored(name), self._scale(name), self.block_size):
+            rows = torch.linalg.vector_norm(values, dim=1).double() * scales[:, 0].double()
+            total += float(rows.dot(rows))
+        return total
+
+    def _decoded(self, name: str, *, copy: bool) -> Tensor:
+        t = self._stored(name)
+        if name in self._layout.scales:
+            return dequantize_int8(t, self._scale(name), self.block_size)
+        if t.is_floating_point() and t.dtype != torch.float32:
+            return t.float()
+        return t.clone() if copy else t
+
+    def _stored(self, name: str) -> Tensor:
+        dtype, shape, offset = self._layout.tensors[name]
+        return self._slice(dtype, offset, shape)
+
+    def _scale(self, name: str) -> Tensor:
+        blocks = math.ceil(math.prod(self.shape(name)) / self.block_size)
+        return self._slice(torch.float32, self._layout.scales[name], (blocks,))
+
+    def _slice(self, dtype: torch.dtype, offset: int, shape: tuple[int, ...]) -> Tensor:
+        return _slice(self._data, dtype, offset, shape)
+
+    def _gather(self) -> _Gather | None:
+        aligned = torch.float32 in self._data and torch.int8 in self._data
+        return self._layout.gather(self._names) if self._layout.scales and aligned else None
+
+    def _gathered(self, gather: _Gather) -> Tensor:
+        return self._data[torch.int8][gather.values].float().mul_(self._data[torch.float32][gather.scales])
+
+
+def _regions(data: memoryview, start: int, layout: _Layout) -> dict[torch.dtype, Tensor]:
+    """The bytes after the header as uint8, and as each dtype of the layout that they start aligned for."""
+    size = len(data) - start
+    if not size:
+        return {torch.uint8: torch.empty(0, dtype=torch.uint8)}
+    with warnings.catch_warnings():
+        # A view of immutable bytes: torch warns that writing to it would change them. Only decode hands
+        # tensors out, and it copies unless told not to (see there).
+        warnings.simplefilter("ignore", UserWarning)
+        raw = torch.frombuffer(data, dtype=torch.uint8, count=size, offset=start)
+    dtypes = {dtype for dtype, _, _ in layout.tensors.values()} | (
+        {torch.float32} if layout.scales else set()
+    )
+    regions = {torch.uint8: raw, torch.int8: raw.view(torch.int8)}
+    for dtype in dtypes - set(regions):
+        width = ITEMSIZES[SAFETENSORS_DTYPES[dtype]]
+        if raw.data_ptr() % width == 0:
+            regions[dtype] = raw[: size - size % width].view(dtype)
+    return regions
+
+
+def _slice(
+    regions: dict[torch.dtype, Tensor], dtype: torch.dtype, offset: int, shape: tuple[int, ...]
+) -> Tensor:
+    """The tensor at `offset` of the data, a view where it is aligned (every encoder of ours aligns it)."""
+    size, count = ITEMSIZES[SAFETENSORS_DTYPES[dtype]], math.prod(shape)
+    region = regions.get(dtype)
+    if region is not None and offset % size == 0:
+        return region[offset // size : offset // size + count].view(shape)
+    return regions[torch.uint8][offset : offset + count * size].clone().view(dtype).view(shape)
+
+
+def _largest_scale(regions: dict[torch.dtype, Tensor], layout: _Layout) -> float:
+    """The largest |scale| of an int8 blob, once every scale is known to be finite."""
+    spans = [
+        _slice(regions, torch.float32, begin, ((end - begin) // 4,)) for begin, end in layout.scale_spans
+    ]
+    largest = [float(scales.abs().max()) for scales in spans if scales.numel()]
+    if all(math.isfinite(value) for value in largest):
+        return max(largest, default=0.0)
+    for name, offset in layout.scales.items():
+        blocks = math.ceil(math.prod(layout.tensors[name][1]) / layout.block_size)
+        if not bool(torch.isfinite(_slice(regions, torch.float32, offset, (blocks,))).all()):
+            raise CodecError(f"tensor '{name}': non-finite scales")
+    raise AssertionError("a span of scales held a non-finite one that no tensor's scales hold")
+
+
+Buffer = bytes | bytearray | memoryview
+_WRAPPED = (
+    ValueError,
+    TypeError,
+    KeyError,
+    IndexError,
+    OverflowError,
+    RuntimeError,
+    RecursionError,
+    MemoryError,
+)
+
+
+def parse(data: Buffer, max_header: int = MAX_HEADER) -> Packed:
+    """The blob checked and its tensors mapped in place, nothing decoded yet (see Packed).
+
+    Hostile bytes only ever raise CodecError: the header's size, nesting and every entry's dtype, shape
+    and offsets are checked before anything is allocated, and whatever else goes wrong is wrapped.
+    The Packed keeps `data` alive and reads it: do not change it meanwhile.
+    """
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        raise CodecError("expected bytes")
     try:
-        raw = st_load(data)
-    except (SafetensorError, ValueError, RuntimeError, TypeError) as exc:
-        raise CodecError(f"invalid safetensors data: {exc}") from None
-    if codec == "int8":
-        return _decode_int8(raw, block_size), meta
-    if any(t.dtype == torch.int8 for t in raw.values()):
-        raise CodecError(f"int8 tensors in a {codec} blob")
-    return {name: _plain(name, t) for name, t in raw.items()}, meta
+        return _parse(memoryview(data).cast("B"), max_header)
+    except CodecError:
+        raise
+    except _WRAPPED as exc:
+        raise CodecError(f"invalid safetensors data ({type(exc).__name__}: {str(exc)[:200]})") from None
+
+
+def decode(
+    data: Buffer, max_header: int = MAX_HEADER, *, copy: bool = True
+) -> tuple[dict[str, Tensor], dict[str, str]]:
+    """Tensors (floats as float32, integers unchanged) and the metadata of an encoded blob, checked as
+    parse() does. copy=False: float32 and integer tensors may be views of `data` (see Packed.decode)."""
+    packed = parse(data, max_header)
+    return packed.decode(copy=copy), packed.meta
+
+
+def _parse(data: memoryview, max_header: int) -> Packed:
+    size = check_header_length(data, max_header)  # before anything is read: a huge header costs nothing
+    if size > len(data) - 8:
+        raise CodecError("not a safetensors file (bad header length)")
+    layout = _layout(bytes(data[8 : 8 + size]), len(data) - 8 - size)
+    regions = _regions(data, 8 + size, layout)
+    return Packed(regions, layout, tuple(layout.tensors), _largest_scale(regions, layout))
 
 
 class ErrorFeedback:

@@ -32,7 +32,7 @@ def _broadcast(a: Shape, b: Shape) -> Shape:
     return tuple(max(x, y) for x, y in zip(a, b, strict=True))
 
 
-def _node_flops(node: Node, shapes: dict[str, Shape], needs_grad: Sequence[bool]) -> tuple[int, int]:
+def node_flops(node: Node, shapes: dict[str, Shape], needs_grad: Sequence[bool]) -> tuple[int, int]:
     """(forward, backward) FLOPs of one node for the batch the shapes were inferred with."""
     s = [shapes[n] if n is not None else () for n in node.inputs]
     if node.op == "linear":
@@ -66,7 +66,7 @@ def _attention_flops(q: Shape, k: Shape, v: Shape, needs_grad: Sequence[bool]) -
     return scores + mix, backward
 
 
-def _feeds_output(graph: Graph) -> set[str]:
+def feeds_output(graph: Graph) -> set[str]:
     """Names the output depends on; backward never runs through dead branches."""
     live = {graph.output}
     for node in reversed(graph.nodes):
@@ -78,12 +78,12 @@ def _feeds_output(graph: Graph) -> set[str]:
 def _count(graph: Graph) -> tuple[int, int]:
     shapes = infer_shapes(graph, batch=1)  # every counted op is linear in the batch size
     grad = {p.name: True for p in graph.params}
-    live = _feeds_output(graph)
+    live = feeds_output(graph)
     forward = backward = 0
     for node in graph.nodes:
         needs = [n is not None and grad.get(n, False) for n in node.inputs]
         grad[node.name] = any(needs)
-        f, b = _node_flops(node, shapes, needs)
+        f, b = node_flops(node, shapes, needs)
         forward += f
         backward += b if grad[node.name] and node.name in live else 0
     return forward, backward

@@ -441,7 +441,7 @@ def _first_line(exc: BaseException) -> str:
     return (str(exc).strip().splitlines() or [type(exc).__name__])[0][:500]
 
 
-def _meta_values(graph: Graph, batch: int) -> dict[str, torch.Tensor]:
+def meta_values(graph: Graph, batch: int) -> dict[str, torch.Tensor]:
     values: dict[str, torch.Tensor] = {}
     for spec in (*graph.inputs, *graph.targets, *graph.params, *graph.buffers):
         try:
@@ -461,7 +461,7 @@ def _meta_values(graph: Graph, batch: int) -> dict[str, torch.Tensor]:
 
 
 def _checked_values(graph: Graph, batch: int) -> dict[str, torch.Tensor]:
-    values = _meta_values(graph, batch)
+    values = meta_values(graph, batch)
     pred, target = values[graph.loss.inputs[0]], values[graph.loss.inputs[1]]
     weight = None if graph.loss.weight is None else values[graph.loss.weight]
     try:
@@ -536,4 +536,4 @@ def _activation_from(graph: Graph, values: Mapping[str, torch.Tensor], batch: in
 
 def activation_memory(graph: Graph) -> ActivationMemory:
     """Activation memory of a loaded graph, per sample (see ActivationMemory)."""
-    return _activation_from(graph, _meta_values(graph, INFER_BATCH), INFER_BATCH)
+    return _activation_from(graph, meta_values(graph, INFER_BATCH), INFER_BATCH)

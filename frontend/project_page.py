@@ -2,7 +2,8 @@
 
 Public for every project but drafts; a draft is shown to its owner only (everyone else gets a 404, as if it
 did not exist). The page renders its first state from the same data the JSON gives, so it needs no second
-request to draw, and then polls that JSON to update without a reload.
+request to draw, and then polls that JSON to update without a reload. Its texts, its scripts' too (the page's
+#project-text), are in the request's language.
 """
 
 from __future__ import annotations
@@ -12,6 +13,9 @@ from typing import Any
 
 from django.http import Http404, HttpRequest, HttpResponse, JsonResponse
 from django.shortcuts import get_object_or_404, render
+from django.utils.functional import Promise
+from django.utils.translation import gettext as _
+from django.utils.translation import gettext_lazy
 from django.views.decorators.http import require_GET
 
 from projects import curves
@@ -22,11 +26,34 @@ from projects.selectors import (
     project_curve,
     project_metric_series,
     project_progress,
+    stored_reason,
     version_best,
 )
 
 RECENT_VERSIONS = 12
 POLL_SECONDS = 5
+STATUS_LABELS: dict[str, Promise] = {
+    Project.Status.DRAFT: gettext_lazy("Draft"),
+    Project.Status.RUNNING: gettext_lazy("Running"),
+    Project.Status.PAUSED: gettext_lazy("Paused"),
+    Project.Status.FINISHED: gettext_lazy("Finished"),
+}
+MODE_LABELS: dict[str, Promise] = {
+    Project.Mode.SYNC_SGD: gettext_lazy("synchronous SGD"),
+    Project.Mode.AVERAGING: gettext_lazy("local steps and averaging"),
+    Project.Mode.ASYNC_SGD: gettext_lazy("asynchronous SGD"),
+}
+METRIC_LABELS: dict[str, Promise] = {
+    "test_accuracy": gettext_lazy("accuracy"),
+    "test_loss": gettext_lazy("loss"),
+}
+BASELINE_LABELS: dict[str, Promise] = {
+    Baseline.Status.PENDING: gettext_lazy("waiting"),
+    Baseline.Status.RUNNING: gettext_lazy("running"),
+    Baseline.Status.DONE: gettext_lazy("done"),
+    Baseline.Status.SKIPPED: gettext_lazy("skipped"),
+    Baseline.Status.FAILED: gettext_lazy("failed"),
+}
 
 
 def project_visible(*, request: HttpRequest, project_id: int) -> Project:
@@ -40,7 +67,17 @@ def project_visible(*, request: HttpRequest, project_id: int) -> Project:
 @require_GET
 def project_page(request: HttpRequest, project_id: int) -> HttpResponse:
     project = project_visible(request=request, project_id=project_id)
-    context = {"project": project, "live": project_live_data(project=project), "poll_seconds": POLL_SECONDS}
+    live = project_live_data(project=project)
+    context = {
+        "project": project,
+        "live": live,
+        "poll_seconds": POLL_SECONDS,
+        "status_label": STATUS_LABELS.get(project.status, project.status),
+        "mode_label": MODE_LABELS.get(project.mode, project.mode),
+        "metric_label": METRIC_LABELS.get(project.target_metric, project.target_metric),
+        "baseline_label": _baseline_label(live["baseline"]),
+        "text": project_text(),
+    }
     return render(request, "frontend/project.html", context)
 
 
@@ -72,6 +109,30 @@ def project_live_data(*, project: Project) -> dict[str, Any]:
         "baseline": _baseline(baseline),
         "comparison": _comparison(project_comparison(project=project, baseline=baseline)),
     }
+
+
+def project_text() -> dict[str, Any]:
+    """Every text the page's scripts (project.js, charts.js) show, in the request's language."""
+    return {
+        "reached": _("reached"),
+        "baseline": _("Baseline: %(status)s"),
+        "statuses": {status: str(label) for status, label in STATUS_LABELS.items()},
+        "baseline_statuses": {status: str(label) for status, label in BASELINE_LABELS.items()},
+        "metrics": {"test_accuracy": _("test accuracy"), "test_loss": _("test loss")},
+        "model_version": _("model version"),
+        "accuracy": _("accuracy"),
+        "loss": _("loss"),
+        "platform": _("platform (volunteers)"),
+        "one_cpu": _("one CPU (server)"),
+        "target": _("target"),
+        "wall_time": _("wall time (log scale)"),
+        "samples_seen": _("training samples seen (log scale)"),
+        "days": _("%(days)s d %(hours)s h"),
+    }
+
+
+def _baseline_label(baseline: dict[str, Any] | None) -> str:
+    return str(BASELINE_LABELS.get(baseline["status"], baseline["status"])) if baseline else ""
 
 
 def _latest_number(project: Project) -> int | None:
@@ -112,7 +173,7 @@ def _baseline(baseline: Baseline | None) -> dict[str, Any] | None:
         return None
     return {
         "status": baseline.status,
-        "reason": baseline.reason,
+        "reason": stored_reason(baseline.reason),
         "budget_seconds": baseline.budget_seconds,
         "budget_samples": baseline.budget_samples,
     }

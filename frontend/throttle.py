@@ -19,10 +19,13 @@ from django.contrib.admin.forms import AdminAuthenticationForm
 from django.contrib.auth.forms import AuthenticationForm
 from django.core.exceptions import NON_FIELD_ERRORS, ValidationError
 from django.http import HttpRequest, HttpResponseBase
+from django.utils.translation import gettext_lazy as _
 from django_ratelimit.core import get_usage
 
-LOGIN_REFUSED = "Too many failed log-ins for this account or from your address. Wait a minute and try again."
-SIGNUP_REFUSED = "Too many sign-ups from your address. Try again later."
+LOGIN_REFUSED = _(
+    "Too many failed log-ins for this account or from your address. Wait a minute and try again."
+)
+SIGNUP_REFUSED = _("Too many sign-ups from your address. Try again later.")
 THROTTLED = "throttled"  # the code of the form error that makes its page a 429
 UNKNOWN_ADDRESS = "0.0.0.0"  # every unparsable address shares one counter
 

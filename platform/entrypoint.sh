@@ -1,11 +1,14 @@
 #!/bin/sh
 # Container entry point. Roles:
-#   web      wait for the database, migrate, collectstatic, then serve HTTP + WebSockets with daphne
+#   web      wait for the database, migrate, collectstatic (unless CROWDTRAIN_RELEASE_ON_START=false:
+#            several web replicas must not migrate at once; compose runs `release` once before them),
+#            then serve HTTP + WebSockets with daphne
 #   worker   a Celery worker (aggregation, evaluation, feeding work units; validations too)
 #   validator a Celery worker for validations and spot-check recomputations only
 #   baseline a Celery worker for the one-CPU time-to-accuracy baselines only, at the lowest CPU priority
 #   beat     the Celery beat scheduler
 #   migrate  apply database migrations and exit
+#   release  migrate and collectstatic, then exit: once per deploy, before any web replica starts
 # Anything else is run as a command, e.g. `docker compose run --rm web manage.py createsuperuser`.
 set -eu
 cd /app
@@ -32,8 +35,10 @@ role="${1:-web}"
 case "$role" in
     web)
         wait_for_db
-        python manage.py migrate --noinput
-        python manage.py collectstatic --noinput
+        if [ "${CROWDTRAIN_RELEASE_ON_START:-true}" = true ]; then
+            python manage.py migrate --noinput
+            python manage.py collectstatic --noinput
+        fi
         limit=$(( ${CROWDTRAIN_MAX_RESULT_BYTES:-134217728} + 1048576 ))  # results are single WebSocket frames
         exec daphne --proxy-headers -b 0.0.0.0 -p "${PORT:-8000}" \
             --websocket-max-message-size "$limit" --websocket-max-frame-size "$limit" config.asgi:application
@@ -41,14 +46,17 @@ case "$role" in
     worker)
         wait_for_db
         # Both queues (validations have their own, see CELERY_TASK_ROUTES); solo: see runplatform's
-        # worker_args. Scale with more worker containers.
-        exec celery -A config worker -Q celery,validation --pool solo -l "${CELERY_LOG_LEVEL:-info}"
+        # worker_args. Scale with more worker containers (`--scale worker=N`); each names itself after
+        # its container's host name, so replicas never share a Celery node name.
+        exec celery -A config worker -Q celery,validation --pool solo -n "worker@%h" \
+            -l "${CELERY_LOG_LEVEL:-info}"
         ;;
     validator)
         wait_for_db
         # Validations and the spot checks' recomputations only (runplatform's validator_args): a round's
         # results arrive together. Scale with `docker compose up --scale validator=N`.
-        exec celery -A config worker -Q validation --pool solo -l "${CELERY_LOG_LEVEL:-info}"
+        exec celery -A config worker -Q validation --pool solo -n "validator@%h" \
+            -l "${CELERY_LOG_LEVEL:-info}"
         ;;
     baseline)
         wait_for_db
@@ -62,6 +70,11 @@ case "$role" in
     migrate)
         wait_for_db
         exec python manage.py migrate --noinput
+        ;;
+    release)
+        wait_for_db
+        python manage.py migrate --noinput
+        exec python manage.py collectstatic --noinput
         ;;
     manage.py)
         shift

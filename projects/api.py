@@ -563,7 +563,7 @@ def _checkpoint_response(*, project: Project, version: ModelVersion) -> FileResp
     metrics = {metric.name: metric.value for metric in version.metrics.all()}
     name = f"{slugify(project.name) or 'project'}-v{version.number}.safetensors"
     assert version.weights is not None  # checked by the caller
-    response = FileResponse(version.weights.path.open("rb"), as_attachment=True, filename=name)
+    response = FileResponse(version.weights.open(), as_attachment=True, filename=name)
     response["Content-Type"] = "application/octet-stream"
     response["X-Crowdtrain-Version"] = str(version.number)
     response["X-Crowdtrain-Metrics"] = json.dumps(metrics, sort_keys=True)

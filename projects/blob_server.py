@@ -114,7 +114,7 @@ async def _serve_public(scope: Scope, send: Send, blob: Blob) -> None:
 
 async def _stream(send: Send, blob: Blob, headers: Headers, *, body: bool) -> None:
     try:
-        handle = await asyncio.to_thread(blob.path.open, "rb")
+        handle = await asyncio.to_thread(blob.open)  # a local file, or an object in a bucket
     except FileNotFoundError:
         await _reply(send, 404, b"Blob content is missing.")
         return

@@ -5,11 +5,14 @@ from __future__ import annotations
 
 import enum
 import hashlib
+import mmap
 import os
 import tempfile
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from urllib.parse import urlencode
 
+import numpy as np
 from django.conf import settings
 from django.contrib.auth import get_user_model
 from django.contrib.auth.models import AnonymousUser, User
@@ -17,29 +20,79 @@ from django.core.signing import BadSignature, SignatureExpired, TimestampSigner
 from django.db import models, transaction
 from django.db.models import Exists, OuterRef, Q
 from django.utils import timezone
+from torch import Tensor
 
+from engine import codecs
+from projects import blob_store
 from projects.models import Blob, DatasetShard, ModelVersion, Project, Result, WorkUnit
 
+Pieces = Sequence[bytes | memoryview]
+WRITE_SLICE = 1 << 18
 
-def blob_put(*, data: bytes, content_type: str = "application/octet-stream") -> Blob:
-    """Store bytes once; storing the same bytes again returns the existing blob.
+
+def blob_put(*, data: bytes | Pieces, content_type: str = "application/octet-stream") -> Blob:
+    """Store bytes once; storing the same bytes again returns the existing blob. `data` may come in pieces
+    (the blob is their concatenation), which are hashed and written one after the other, never joined.
 
     Safe against the garbage collector (projects/storage.py) collecting these bytes at the same moment: the
     row is upserted first, which refreshes `stored_at` (the collector spares rows stored within its grace
     period) and keeps the row locked until the caller's transaction ends (the collector skips locked rows).
     Had the collector locked the row first, the upsert waits for it to commit and inserts the row anew; the
     file, which the collector moved away before committing, is then written again below."""
-    sha = hashlib.sha256(data).hexdigest()
+    pieces = [data] if isinstance(data, (bytes, bytearray, memoryview)) else data
+    digest = hashlib.sha256()
+    for piece in pieces:
+        digest.update(piece)
+    sha, size = digest.hexdigest(), sum(memoryview(piece).nbytes for piece in pieces)
     with transaction.atomic():
-        row = Blob(sha256=sha, size=len(data), content_type=content_type, stored_at=timezone.now())
+        row = Blob(sha256=sha, size=size, content_type=content_type, stored_at=timezone.now())
         Blob.objects.bulk_create(
             [row], update_conflicts=True, unique_fields=["sha256"], update_fields=["stored_at"]
         )
-        _write_file(path=settings.BLOB_ROOT / sha[:2] / sha, data=data)
+        if blob_store.remote():  # an S3-compatible bucket shared by several machines
+            blob_store.upload(sha=sha, pieces=pieces)
+        else:
+            _write_file(path=settings.BLOB_ROOT / sha[:2] / sha, pieces=pieces)
         return Blob.objects.get(pk=sha)
 
 
-def _write_file(*, path: Path, data: bytes) -> None:
+def blob_put_tensors(
+    *, tensors: Mapping[str, Tensor], codec: str = "fp32", metadata: Mapping[str, str] | None = None
+) -> Blob:
+    """blob_put of codecs.encode(tensors, codec, metadata=metadata), without building those bytes: the
+    tensors' memory is hashed and written as it is (a model's weights are tens of megabytes)."""
+    return blob_put(data=codecs.encode_parts(tensors, codec, metadata=metadata))
+
+
+def blob_read_buffer(*, blob: Blob) -> memoryview:
+    """The blob's bytes in writable memory of the caller's own: what codecs.decode(copy=False) decodes from
+    them is views of it, which the caller may change in place (Blob.read's bytes are immutable)."""
+    if blob_store.remote():
+        return memoryview(bytearray(blob.read()))
+    with open(blob.path, "rb", buffering=0) as handle:
+        size = os.fstat(handle.fileno()).st_size
+        buffer = np.empty(size, dtype=np.uint8).data  # not zeroed first: every byte is read into it
+        done = 0
+        while done < size and (count := handle.readinto(buffer[done:])):
+            done += count
+    if done != size:
+        raise OSError(f"blob {blob.sha256} was {size:,} bytes but {done:,} could be read")
+    return buffer
+
+
+def blob_view(*, blob: Blob) -> memoryview:
+    """The blob's bytes, read-only, for codecs.parse: a local file is mapped (mmap) rather than read, so
+    nothing is allocated or copied (an update's 11 MB cost 1-2 ms of CPU to read). Safe because blob files
+    never change in place: they are written aside and renamed (_write_file) and deleted by rename too."""
+    if blob_store.remote():
+        return memoryview(blob.read())
+    with open(blob.path, "rb") as handle:
+        if not os.fstat(handle.fileno()).st_size:
+            return memoryview(b"")  # mmap refuses empty files
+        return memoryview(mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ))
+
+
+def _write_file(*, path: Path, pieces: Pieces) -> None:
     try:
         # An existing file is touched: the orphan-file sweep (projects/storage.py) spares fresh files.
         os.utime(path)
@@ -50,7 +103,11 @@ def _write_file(*, path: Path, data: bytes) -> None:
     # Write then rename, so a reader never sees a half-written blob.
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-")
     with os.fdopen(fd, "wb") as handle:
-        handle.write(data)
+        for piece in pieces:
+            view = memoryview(piece).cast("B")
+            # In slices: one write of 45 MB took 75 ms of CPU here, 180 writes of 256 KB 11 ms.
+            for start in range(0, len(view), WRITE_SLICE):
+                handle.write(view[start : start + WRITE_SLICE])
     os.replace(tmp, path)
 
 

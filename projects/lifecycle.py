@@ -35,7 +35,9 @@ from projects import notify
 from projects.blobs import blob_put
 from projects.models import DatasetShard, ModelVersion, Project, Result, WorkUnit
 from projects.shares import shares_order, usage_charge
+from workers import fitting
 from workers.models import Device, Volunteer
+from workers.preferences import Preferences, preferences_effective
 from workers.services import volunteer_ensure, volunteer_record_invalid
 
 # A connection may hold this many instances at once: one computing, one prefetched.
@@ -120,31 +122,96 @@ def _locate(*, project: Project, index: int) -> tuple[DatasetShard, int]:
 # --- sending --------------------------------------------------------------------------------------
 
 
+# Work units tried per request when some do not fit the device (each one more query, while locked).
+MAX_FIT_TRIES = 8
+
+
+@dataclass(frozen=True)
+class Offer:
+    """What a `ready` gets: an instance and why its project (spec.json assign_why: the volunteer's only
+    choice, its turn by resource share, the only project with work), or none and why (idle_reasons)."""
+
+    result: Result | None
+    why: str
+
+
 def work_unit_assign(*, user: User, device: Device | None = None) -> Result | None:
-    """Send one instance of the next open work unit to `user`, sized for their device; none while the
-    volunteer is paused for a run of invalid results."""
+    return work_unit_offer(user=user, device=device).result
+
+
+def work_unit_offer(
+    *,
+    user: User,
+    device: Device | None = None,
+    preferences: Preferences | None = None,
+    memory_mb: float | None = None,
+) -> Offer:
+    """Send one instance of the next open work unit the volunteer's computing preferences allow, sized for
+    their device (speed, memory, largest work unit, what is left of today's download); none while the
+    volunteer is paused for a run of invalid results. `preferences`: the device's, if the caller has them."""
     volunteer = volunteer_ensure(user=user)
     if not volunteer.may_work(now=timezone.now()):
-        return None
+        return Offer(None, "backoff")
+    if preferences is None:
+        preferences = preferences_effective(
+            volunteer_id=volunteer.pk, device_id=device.pk if device else None
+        )
     with transaction.atomic():
-        work_unit = _next_open_work_unit(user=user)
+        limits = fitting.limits_for(device=device, preferences=preferences, memory_mb=memory_mb)
+        work_unit, samples, why = _fitting_work_unit(user=user, preferences=preferences, limits=limits)
         if work_unit is None:
-            return None
-        if device is not None:
-            _split_to_fit(
-                work_unit=work_unit, samples=work_unit.project.work_unit_samples(gflops=device.speed_gflops())
-            )
-        usage_charge(
-            project_id=work_unit.project_id, flops=work_unit.project.flops_per_sample * work_unit.count
-        )
-        work_unit.wanted -= 1
-        work_unit.total_results += 1
-        _plan_spot_check(work_unit=work_unit, volunteer=volunteer)
-        work_unit.save(
-            update_fields=["wanted", "total_results", "count", "target_results", "min_quorum", "spot_check"]
-        )
-        deadline = timezone.now() + timedelta(seconds=settings.CROWDTRAIN["WORK_UNIT_DEADLINE_SECONDS"])
-        return Result.objects.create(work_unit=work_unit, volunteer=user, device=device, deadline=deadline)
+            return Offer(None, why)
+        result = _send(work_unit=work_unit, samples=samples, user=user, volunteer=volunteer, device=device)
+        return Offer(result, _why_chosen(work_unit=work_unit, user=user, preferences=preferences))
+
+
+def _fitting_work_unit(
+    *, user: User, preferences: Preferences, limits: fitting.Limits
+) -> tuple[WorkUnit | None, int, str]:
+    """The next open work unit of an allowed project that fits, with the samples that fit. A work unit that
+    does not fit rules out its project for this request, unless it could fit once split (only fresh ones
+    are split): then only itself."""
+    allowed, why = preferences.project_filter(), "no_work"
+    for _ in range(MAX_FIT_TRIES):
+        work_unit = _next_open_work_unit(user=user, allowed=allowed)
+        if work_unit is None:
+            return None, 0, why
+        fit = fitting.fit(work_unit=work_unit, limits=limits)
+        if fit.samples and (fit.samples >= work_unit.count or not work_unit.total_results):
+            return work_unit, fit.samples, ""
+        why = fit.reason or "too_large"
+        allowed &= ~Q(pk=work_unit.pk) if fit.samples else ~Q(project_id=work_unit.project_id)
+    return None, 0, why
+
+
+def _send(
+    *, work_unit: WorkUnit, samples: int, user: User, volunteer: Volunteer, device: Device | None
+) -> Result:
+    speed = work_unit.project.work_unit_samples(gflops=device.speed_gflops()) if device else samples
+    _split_to_fit(work_unit=work_unit, samples=min(samples, speed))
+    if device is not None:
+        fitting.download_record(device=device, work_unit=work_unit)
+    usage_charge(project_id=work_unit.project_id, flops=work_unit.project.flops_per_sample * work_unit.count)
+    work_unit.wanted -= 1
+    work_unit.total_results += 1
+    _plan_spot_check(work_unit=work_unit, volunteer=volunteer)
+    work_unit.save(
+        update_fields=["wanted", "total_results", "count", "target_results", "min_quorum", "spot_check"]
+    )
+    deadline = timezone.now() + timedelta(seconds=settings.CROWDTRAIN["WORK_UNIT_DEADLINE_SECONDS"])
+    return Result.objects.create(work_unit=work_unit, volunteer=user, device=device, deadline=deadline)
+
+
+def _why_chosen(*, work_unit: WorkUnit, user: User, preferences: Preferences) -> str:
+    if preferences.single_choice:
+        return "choice"
+    others = (
+        _sendable()
+        .filter(preferences.project_filter())
+        .exclude(project_id=work_unit.project_id)
+        .exclude(results__volunteer=user)
+    )
+    return "share" if others.exists() else "only"
 
 
 def _plan_spot_check(*, work_unit: WorkUnit, volunteer: Volunteer) -> None:
@@ -179,10 +246,11 @@ def work_sendable() -> bool:
     return _sendable().exists()
 
 
-def _next_open_work_unit(*, user: User) -> WorkUnit | None:
+def _next_open_work_unit(*, user: User, allowed: Q | None = None) -> WorkUnit | None:
     """The project furthest below its resource share that has work for `user` (shares.py), and its oldest
     open round's work first, so that each project's round keeps moving. One query over the open work units
-    (one round's worth per project, fed by the feeder) whatever the history."""
+    (one round's worth per project, fed by the feeder) whatever the history. `allowed`: a condition on the
+    work units (the volunteer's choice of projects, those that did not fit)."""
     order = shares_order()
     if not order:
         return None
@@ -191,6 +259,7 @@ def _next_open_work_unit(*, user: User) -> WorkUnit | None:
     )
     return (
         _sendable()
+        .filter(allowed or Q())
         .select_for_update(skip_locked=True, of=("self",), no_key=True)
         .exclude(results__volunteer=user)
         .select_related(

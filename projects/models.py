@@ -6,6 +6,8 @@ import json
 from pathlib import Path
 
 from django.conf import settings
+from django.core.files import File
+from django.core.files.storage import storages
 from django.core.validators import MaxValueValidator, MinValueValidator
 from django.db import models
 from django.urls import reverse
@@ -42,10 +44,21 @@ class Blob(models.Model):
 
     @property
     def path(self) -> Path:
+        """The local file (blobs in a bucket have none: projects/blob_store.py)."""
         return Path(settings.BLOB_ROOT) / self.sha256[:2] / self.sha256
 
+    @staticmethod
+    def storage_name(sha256: str) -> str:
+        """Its name in STORAGES["blobs"]: a file under BLOB_ROOT, or an object in a bucket."""
+        return f"{sha256[:2]}/{sha256}"
+
+    def open(self) -> File:
+        """Its bytes for reading, wherever they are stored; FileNotFoundError if they are missing."""
+        return storages["blobs"].open(self.storage_name(self.sha256), "rb")
+
     def read(self) -> bytes:
-        return self.path.read_bytes()
+        with self.open() as handle:
+            return bytes(handle.read())
 
 
 class Dataset(models.Model):

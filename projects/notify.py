@@ -79,6 +79,11 @@ def work_available() -> None:
     _group_send(VOLUNTEERS_GROUP, {"type": "work.available"})
 
 
+def preferences_changed(*, user_id: int) -> None:
+    """A volunteer saved computing preferences: each of their connections sends its browser the new set."""
+    _group_send(user_group(user_id), {"type": "preferences.changed"})
+
+
 def work_cancelled(*, by_user: dict[int, list[int]], reason: str) -> None:
     for user_id, work_unit_ids in by_user.items():
         _group_send(

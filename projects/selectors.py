@@ -8,6 +8,7 @@ from datetime import datetime, timedelta
 from django.contrib.auth.models import AnonymousUser, User
 from django.db.models import Case, F, Max, Min, OuterRef, Q, QuerySet, Subquery, Sum, When, Window
 from django.utils import timezone
+from django.utils.translation import gettext as _
 
 from projects import curves
 from projects.models import Baseline, Dataset, Metric, ModelVersion, Project, Result
@@ -161,7 +162,9 @@ def baseline_curve(*, baseline: Baseline, metric: str) -> list[curves.Point]:
 
 def project_comparison(*, project: Project, baseline: Baseline | None) -> curves.Comparison:
     if baseline is None or baseline.status == Baseline.Status.SKIPPED:
-        return curves.Comparison(baseline.reason if baseline else "No one-CPU baseline for this project.")
+        return curves.Comparison(
+            stored_reason(baseline.reason) if baseline else _("No one-CPU baseline for this project.")
+        )
     metric = project.target_metric
     return curves.compare(
         project_curve(project=project, metric=metric),
@@ -170,6 +173,12 @@ def project_comparison(*, project: Project, baseline: Baseline | None) -> curves
         target=project.target_value,
         baseline_finished=baseline.status in (Baseline.Status.DONE, Baseline.Status.FAILED),
     )
+
+
+def stored_reason(reason: str) -> str:
+    """A reason stored in English, in the reader's language when it is one of the fixed ones the catalogue
+    holds (marked with gettext_noop where they are written); any other (an exception's text) as it is."""
+    return _(reason) if reason else reason  # gettext("") would be the catalogue's header
 
 
 # --- the REST API (projects/api.py): what each user may see ----------------------------------------

@@ -14,13 +14,14 @@ from django.conf import settings as site_settings  # `settings` is projects' tra
 from django.contrib.auth.models import User
 from django.db import transaction
 from django.utils import timezone
+from django.utils.translation import gettext_noop
 
 from engine import codecs, runtime
 from engine.flops import train_flops_per_sample
 from engine.graph import Graph, GraphError, TensorSpec, graph_to_json, infer_shapes, load_graph
 from engine.presets import export_preset
 from projects import notify
-from projects.blobs import blob_put
+from projects.blobs import blob_put, blob_put_tensors
 from projects.datasets import dataset_load_split
 from projects.lifecycle import work_units_cancel
 from projects.models import (
@@ -301,7 +302,7 @@ def baseline_schedule(*, project: Project) -> Baseline:
 def baseline_skip_reason(*, project: Project) -> str | None:
     bound = site_settings.CROWDTRAIN["BASELINE_MAX_FLOPS_PER_SAMPLE"]
     if site_settings.CROWDTRAIN["BASELINE_SECONDS"] <= 0 or site_settings.CROWDTRAIN["BASELINE_SAMPLES"] <= 0:
-        return "The one-CPU baseline is turned off on this server."
+        return gettext_noop("The one-CPU baseline is turned off on this server.")  # translated when shown
     if project.flops_per_sample > bound:
         return (
             f"Not run: a training sample costs {project.flops_per_sample:,} FLOPs, over this server's bound "
@@ -322,10 +323,11 @@ def version_publish(
     train_loss: float | None = None,
     samples: int = 0,
 ) -> ModelVersion:
-    weights_blob = blob_put(data=codecs.encode(weights))
-    state_blob = blob_put(data=codecs.encode(momentum)) if momentum else None
+    # Hashed and written from the tensors' own memory, never joined into bytes (tens of MB for a ResNet).
+    weights_blob = blob_put_tensors(tensors=weights)
+    state_blob = blob_put_tensors(tensors=momentum) if momentum else None
     codec = project.weights_codec
-    wire = blob_put(data=codecs.encode(weights, codec)) if codec != Project.Codec.FP32 else None
+    wire = blob_put_tensors(tensors=weights, codec=codec) if codec != Project.Codec.FP32 else None
     return ModelVersion.objects.create(
         project=project,
         number=number,

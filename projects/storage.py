@@ -26,7 +26,7 @@ Why the collector never deletes a blob someone is about to reference:
 - Files are moved aside (renamed within their directory) before the DELETE commits and unlinked only after
   it committed; if the commit fails they are moved back. blob_put, blocked on the row lock meanwhile,
   finds no file once the collector committed and writes it again. Content addressing makes every such
-  write identical, so which one lands last never matters.
+  write identical, so which one lands last never matters. (Blobs in a bucket: projects/blob_store.py.)
 """
 
 from __future__ import annotations
@@ -44,8 +44,10 @@ from django.db import models, transaction
 from django.db.models import Exists, OuterRef, ProtectedError, Q, Subquery
 from django.utils import timezone
 
+from projects import blob_store
 from projects.blobs import blob_references
 from projects.models import Blob, DatasetShard, Metric, ModelVersion, Project, Result, WorkUnit
+from projects.selectors import version_best
 
 Progress = Callable[[int], None]  # told how many items each step handled (a tqdm bar's update)
 DECIDED = (WorkUnit.Status.VALIDATED, WorkUnit.Status.CANCELLED, WorkUnit.Status.ERRORED)
@@ -55,7 +57,7 @@ EVALUATION_GRACE = timedelta(hours=1)
 # The latest versions keep their weights: the newest one is trained on, and volunteers may still be
 # downloading the one before for work the new version just cancelled.
 KEEP_LATEST = 2
-TRASH = ".gc-"  # files moved aside by the collector: <sha>.gc-<random>
+TRASH = blob_store.TRASH  # files moved aside by the collector: <sha>.gc-<random>
 # A file whose row is not committed yet looks like an orphan (blob_put writes the file inside the caller's
 # transaction): only files older than any transaction runs are swept, whatever the blobs' grace period.
 ORPHAN_FILE_AGE = timedelta(hours=6)
@@ -136,16 +138,8 @@ def versions_kept(*, project: Project) -> set[int]:
     versions = ModelVersion.objects.filter(project=project)
     kept = set(versions.annotate(rest=models.F("number") % every).filter(rest=0).values_list("pk", flat=True))
     latest = set(versions.order_by("-number").values_list("pk", flat=True)[:KEEP_LATEST])
-    best = version_best_id(project=project)
-    return kept | latest | ({best} if best is not None else set())
-
-
-def version_best_id(*, project: Project) -> int | None:
-    """The version with the best value of the project's target metric among evaluated versions (the newest
-    of equal ones), or None before any evaluation."""
-    order = "value" if project.target_metric == Project.TargetMetric.TEST_LOSS else "-value"
-    metrics = Metric.objects.filter(project=project, name=project.target_metric)
-    return metrics.order_by(order, "-version__number").values_list("version_id", flat=True).first()
+    best = version_best(project=project)
+    return kept | latest | ({best.pk} if best is not None else set())
 
 
 def _prune(*, project: Project) -> int:
@@ -210,12 +204,12 @@ def blobs_collect_garbage(
 
 
 def _collect_batch(*, before: datetime, batch: int) -> tuple[int, int]:
-    moved: list[tuple[Path, Path]] = []
+    moved: list[Moved] = []
     try:
         with transaction.atomic():
             candidates = blobs_unreferenced().filter(stored_at__lt=before).order_by("stored_at")
             blobs = list(candidates.select_for_update(skip_locked=True)[:batch])
-            moved = [_move_aside(blob.path) for blob in blobs]
+            moved = [Moved.aside(blob.sha256) for blob in blobs]
             # Django checks the PROTECT references once more, in a statement of its own: a reference that
             # committed after the query above began (which its snapshot missed) stops the batch here.
             Blob.objects.filter(pk__in=[blob.pk for blob in blobs]).delete()
@@ -225,14 +219,45 @@ def _collect_batch(*, before: datetime, batch: int) -> tuple[int, int]:
     except BaseException:
         _restore(moved)
         raise
-    for _, trash in moved:
-        trash.unlink(missing_ok=True)
+    for item in moved:
+        item.discard()
     return len(blobs), sum(blob.size for blob in blobs)
 
 
-def _restore(moved: list[tuple[Path, Path]]) -> None:
-    for path, trash in moved:
-        _move_back(path, trash)
+@dataclass(frozen=True)
+class Moved:
+    """A collected blob's bytes, moved where no reader finds them until its row's DELETE commits: a file
+    renamed in its directory, or an object copied aside in the bucket (projects/blob_store.py)."""
+
+    sha256: str
+    trash: str
+
+    @classmethod
+    def aside(cls, sha256: str) -> Moved:
+        if blob_store.remote():
+            return cls(sha256, blob_store.move_aside(sha=sha256))
+        return cls(sha256, str(_move_aside(_blob_path(sha256))[1]))
+
+    def restore(self) -> None:
+        if blob_store.remote():
+            blob_store.move_back(sha=self.sha256, trash=self.trash)
+        else:
+            _move_back(_blob_path(self.sha256), Path(self.trash))
+
+    def discard(self) -> None:
+        if blob_store.remote():
+            blob_store.discard(trash=self.trash)
+        else:
+            Path(self.trash).unlink(missing_ok=True)
+
+
+def _blob_path(sha256: str) -> Path:
+    return Path(settings.BLOB_ROOT) / sha256[:2] / sha256
+
+
+def _restore(moved: list[Moved]) -> None:
+    for item in moved:
+        item.restore()
 
 
 def _move_aside(path: Path) -> tuple[Path, Path]:
@@ -252,6 +277,8 @@ def _sweep_orphan_files(*, before: datetime) -> tuple[int, int]:
     wrote them in a transaction that rolled back (a refused dataset, a failed project creation). blob_put
     touches an existing file, and a file found fresh once moved aside is moved back, so bytes being stored
     again are never swept."""
+    if blob_store.remote():
+        return blob_store.orphans_remove(before=before)
     cutoff = before.timestamp()
     files = [(p, stat) for p, stat in _blob_files() if stat.st_mtime < cutoff]
     known = set(Blob.objects.filter(pk__in=[p.name for p, _ in files]).values_list("pk", flat=True))

@@ -9,10 +9,19 @@
 Stale work is cancelled when a version is published, so a straggler's result can never be applied twice.
 Only each work unit's canonical result is aggregated: when a slice was replicated to check a volunteer
 (validation.py), its samples count once and its update is averaged once, however many results agreed.
+
+A round's updates are streamed (aggregate.WeightedSum): each is read from its blob and folded into one sum,
+int8 values dequantized straight into it, so a round holds one update's memory however many it has and no
+update is decoded into a float copy. Medians and trimmed means need every update at once: those rounds
+decode them all. The step then changes the current weights and optimizer state in place: the ones this
+process published last if it has them (_published), else read into memory of its own.
 """
 
 from __future__ import annotations
 
+import threading
+from collections import OrderedDict
+from collections.abc import Iterable, Iterator, Sequence
 from datetime import timedelta
 from functools import partial
 
@@ -23,17 +32,21 @@ from django.utils import timezone
 
 from engine import aggregate, codecs, optim
 from projects import notify
+from projects.blobs import blob_read_buffer, blob_view
 from projects.lifecycle import (
     VALIDATION_GIVE_UP_SECONDS,
     results_announce,
     work_units_cancel,
     work_units_feed,
 )
-from projects.models import ModelVersion, Project, Result, WorkUnit
-from projects.services import project_graph, version_publish, version_weights
+from projects.models import Blob, ModelVersion, Project, Result, WorkUnit
+from projects.services import project_graph, version_publish
 
 Tensors = dict[str, torch.Tensor]
 TRIM = 0.2
+# Projects whose last published weights and optimizer state this process keeps for its next step (a
+# ResNet-18's are 90 MB): with several workers, a step on another process's version reads them instead.
+PUBLISHED_KEPT = 2
 
 
 def project_step(*, project_id: int) -> ModelVersion | None:
@@ -136,15 +149,14 @@ def _awaiting_validation(current: ModelVersion) -> bool:
 
 def _publish(*, project: Project, current: ModelVersion, results: list[Result]) -> ModelVersion:
     weights = [_weight(project=project, current=current, result=r) for r in results]
-    updates = [codecs.decode(r.blob.read())[0] for r in results if r.blob]
-    update, buffers = _combine(project=project, updates=updates, weights=weights)
+    update, buffers = _combine(project=project, updates=_updates(results), weights=weights)
     samples = sum(r.samples for r in results)
     if project.mode == Project.Mode.ASYNC_SGD:
         # Staleness weights shrink the step, not only the mix: a lone stale update moves the model less.
-        update = {name: value * (sum(weights) / samples) for name, value in update.items()}
+        update = {name: value.mul_(sum(weights) / samples) for name, value in update.items()}
     params, state = _step(project=project, version=current, update=update)
     Result.objects.filter(pk__in=[r.pk for r in results]).update(aggregated=True)
-    return version_publish(
+    version = version_publish(
         project=project,
         number=current.number + 1,
         weights={**params, **buffers},
@@ -152,6 +164,15 @@ def _publish(*, project: Project, current: ModelVersion, results: list[Result]) 
         train_loss=sum((r.loss or 0.0) * r.samples for r in results) / samples,
         samples=samples,
     )
+    transaction.on_commit(partial(_keep, version=version, weights={**params, **buffers}, state=state))
+    return version
+
+
+def _updates(results: list[Result]) -> Iterator[codecs.Packed]:
+    """Each result's update, parsed (not decoded) when it is folded in and dropped after."""
+    for result in results:
+        if result.blob:
+            yield codecs.parse(blob_view(blob=result.blob))
 
 
 def _weight(*, project: Project, current: ModelVersion, result: Result) -> float:
@@ -159,45 +180,105 @@ def _weight(*, project: Project, current: ModelVersion, result: Result) -> float
     return result.samples * (project.staleness_weight(staleness=staleness) if staleness else 1.0)
 
 
-def _combine(*, project: Project, updates: list[Tensors], weights: list[float]) -> tuple[Tensors, Tensors]:
+def _combine(
+    *, project: Project, updates: Iterable[Tensors | codecs.Packed], weights: Sequence[float]
+) -> tuple[Tensors, Tensors]:
+    """The round's update as the project aggregates them, and the weighted mean of the trained buffers over
+    the updates that report them all (the others keep the current version's values, see _step)."""
     graph = project_graph(project=project)
-    params = [{p.name: u[p.name] for p in graph.params} for u in updates]
-    combined = _aggregate(project=project, updates=params, weights=weights)
-    names = graph.trained_buffers()  # the rest keep the current version's values (see _step)
-    with_buffers = [(u, w) for u, w in zip(updates, weights, strict=True) if all(n in u for n in names)]
-    buffers = (
-        aggregate.weighted_mean(
-            [{n: u[n] for n in names} for u, _ in with_buffers], [w for _, w in with_buffers]
+    names, buffer_names = [p.name for p in graph.params], graph.trained_buffers()
+    if _robust(project=project, count=len(weights)):
+        return _combine_decoded(
+            project=project, updates=updates, weights=weights, names=names, buffer_names=buffer_names
         )
-        if names and with_buffers
-        else {}
+    params, buffers = aggregate.WeightedSum(names), aggregate.WeightedSum(buffer_names)
+    for update, weight in zip(updates, weights, strict=True):
+        params.add(update, weight)
+        if buffer_names and all(name in update for name in buffer_names):
+            buffers.add(update, weight)
+    return params.mean(), buffers.mean() if buffers.count else {}
+
+
+def _robust(*, project: Project, count: int) -> bool:
+    robust = (Project.Aggregator.MEDIAN, Project.Aggregator.TRIMMED_MEAN)
+    return project.aggregator in robust and count >= 3
+
+
+def _combine_decoded(
+    *,
+    project: Project,
+    updates: Iterable[Tensors | codecs.Packed],
+    weights: Sequence[float],
+    names: list[str],
+    buffer_names: list[str],
+) -> tuple[Tensors, Tensors]:
+    """_combine for medians and trimmed means, which need every update at once: each is decoded (the
+    round then holds all of them, as float32)."""
+    decoded = [
+        {name: update[name] for name in [*names, *buffer_names] if name in update} for update in updates
+    ]
+    combined = _aggregate(
+        project=project, updates=[{n: u[n] for n in names} for u in decoded], weights=weights
     )
-    return combined, buffers
+    pairs = [(u, w) for u, w in zip(decoded, weights, strict=True) if all(n in u for n in buffer_names)]
+    if not buffer_names or not pairs:
+        return combined, {}
+    return combined, aggregate.weighted_mean(
+        [{n: u[n] for n in buffer_names} for u, _ in pairs], [w for _, w in pairs]
+    )
 
 
-def _aggregate(*, project: Project, updates: list[Tensors], weights: list[float]) -> Tensors:
+def _aggregate(*, project: Project, updates: list[Tensors], weights: Sequence[float]) -> Tensors:
     if project.aggregator == Project.Aggregator.MEDIAN and len(updates) >= 3:
         return aggregate.coordinate_median(updates)
     if project.aggregator == Project.Aggregator.TRIMMED_MEAN and len(updates) >= 3:
         return aggregate.trimmed_mean(updates, TRIM)
-    return aggregate.weighted_mean(updates, weights)
+    return aggregate.weighted_mean(updates, list(weights))
 
 
 def _step(*, project: Project, version: ModelVersion, update: Tensors) -> tuple[Tensors, Tensors]:
-    weights = version_weights(version=version)
-    state = codecs.decode(version.optimizer_state.read())[0] if version.optimizer_state else {}
-    if project.mode == Project.Mode.AVERAGING:
-        return optim.outer_nesterov_step(
-            weights, update, state, lr=project.learning_rate, momentum=project.momentum
-        )
-    return optim.sgd_step(
+    """The server's optimizer step, in place on the current weights and state (copies of this process's
+    own, see _owned); `update` is spent."""
+    weights, state = _owned(version=version)
+    optim.server_step_(
         weights,
         update,
         state,
+        averaging=project.mode == Project.Mode.AVERAGING,
         lr=project.learning_rate,
         momentum=project.momentum,
         weight_decay=project.weight_decay,
     )
+    return weights, state
+
+
+_published: OrderedDict[int, tuple[str | None, str | None, Tensors, Tensors]] = OrderedDict()
+_published_lock = threading.Lock()
+
+
+def _owned(*, version: ModelVersion) -> tuple[Tensors, Tensors]:
+    """The version's weights and optimizer state in memory no one else uses: as this process published them
+    (taken out of _published: the step changes them) or read from their blobs."""
+    with _published_lock:
+        kept = _published.pop(version.project_id, None)
+    # Blobs are addressed by content: the same names are the same bytes.
+    if kept is not None and kept[:2] == (version.weights_id, version.optimizer_state_id):
+        return kept[2], kept[3]
+    state = _read(blob=version.optimizer_state) if version.optimizer_state else {}
+    return _read(blob=version.weights_blob), state
+
+
+def _read(*, blob: Blob) -> Tensors:
+    return codecs.decode(blob_read_buffer(blob=blob), copy=False)[0]
+
+
+def _keep(*, version: ModelVersion, weights: Tensors, state: Tensors) -> None:
+    """Once the version committed, keep what it published for this process's next step."""
+    with _published_lock:
+        _published[version.project_id] = (version.weights_id, version.optimizer_state_id, weights, state)
+        _published.move_to_end(version.project_id)
+        while len(_published) > PUBLISHED_KEPT:
+            _published.popitem(last=False)
 
 
 def _cancel_stale(*, project: Project, version: ModelVersion) -> None:

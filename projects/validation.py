@@ -24,12 +24,18 @@ disk) is retried instead, and given up without penalty after lifecycle.VALIDATIO
 Only canonical results are aggregated (training.py): a replicated slice counts once. A result that arrives
 after its work unit was decided is judged against the canonical result but never aggregated. Valid results
 earn credit from server-side FLOPs, each of them; invalid ones earn nothing and reset trust.
+
+An update's own checks read its blob without decoding it (codecs.Packed: names and shapes from the header,
+finite values from its int8 scales, the norm from the int8 values a chunk at a time); it is decoded only to
+be compared with a reference (spot checks, replicas). Aggregation then folds the same bytes into the round's
+sum (training.py), so an update nobody compares is dequantized once, there.
 """
 
 from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Mapping
 from statistics import median
 
 import kombu.exceptions
@@ -43,15 +49,15 @@ from engine.aggregate import check_update
 from engine.graph import Graph
 from engine.runtime import compute_gradients, local_steps
 from projects import notify
-from projects.blobs import blob_put
+from projects.blobs import blob_put, blob_view
 from projects.datasets import shard_load
 from projects.lifecycle import result_invalidate, result_reject, results_abandon, results_awaiting_quorum
 from projects.models import Project, Result, WorkUnit
 from projects.services import project_graph, version_wire_weights
 from workers.models import Device, Volunteer
-from workers.services import credit_grant, volunteer_ensure
+from workers.services import credit_grant, credit_lock, volunteer_ensure
 
-Tensors = dict[str, torch.Tensor]
+Tensors = Mapping[str, torch.Tensor]  # decoded tensors, or a codecs.Packed blob that decodes on access
 logger = logging.getLogger(__name__)
 # The server's own failures, not the result's: judging is retried (tasks.validate_result), and a result
 # still undecided after lifecycle.VALIDATION_GIVE_UP_SECONDS is given up without penalty. OSError covers a
@@ -187,12 +193,17 @@ def _own_problem(result: Result) -> tuple[str | None, Tensors]:
         return reason, {}
     if _replayed(result):
         return "this update was already submitted for another work unit (replay)", {}
-    params = {p.name: update[p.name] for p in graph.params}
+    params = _only(update, [p.name for p in graph.params])
     return _norm_problem(result=result, norm=_norm(params)), params
 
 
 def _decoded(result: Result) -> Tensors:
-    return codecs.decode(result.blob.read())[0] if result.blob else {}
+    """The result's update, parsed and checked but not decoded (see codecs.Packed)."""
+    return codecs.parse(blob_view(blob=result.blob)) if result.blob else {}
+
+
+def _only(update: Tensors, names: list[str]) -> Tensors:
+    return update.select(names) if isinstance(update, codecs.Packed) else {n: update[n] for n in names}
 
 
 def _params(result: Result, work_unit: WorkUnit) -> Tensors:
@@ -218,6 +229,8 @@ def _replayed(result: Result) -> bool:
 
 
 def _norm(update: Tensors) -> float:
+    if isinstance(update, codecs.Packed):
+        return math.sqrt(update.sq_norm())
     return math.sqrt(sum(float((t.double() ** 2).sum()) for t in update.values()))
 
 
@@ -310,7 +323,7 @@ def _flat(tensors: Tensors) -> torch.Tensor:
     return torch.cat([tensors[name].double().flatten() for name in sorted(tensors)])
 
 
-def recompute(*, work_unit: WorkUnit) -> Tensors:
+def recompute(*, work_unit: WorkUnit) -> dict[str, torch.Tensor]:
     """What an honest volunteer sends for this work unit, computed here with engine/."""
     project = work_unit.project
     graph = project_graph(project=project)
@@ -344,8 +357,8 @@ def _quorum(*, work_unit: WorkUnit, result: Result, update: Tensors) -> list[Res
     if len(candidates) < work_unit.min_quorum:
         return []
     project = work_unit.project
-    # `result` was just decoded for its own checks; only the others are read again.
-    updates = {r.pk: update if r.pk == result.pk else _params(r, work_unit) for r in candidates}
+    # Decoded once each: every pair of them may be compared.
+    updates = {r.pk: dict(update) if r.pk == result.pk else _params(r, work_unit) for r in candidates}
     canonical = _canonical(
         project=project, candidates=candidates, updates=updates, quorum=work_unit.min_quorum
     )
@@ -359,8 +372,9 @@ def _quorum(*, work_unit: WorkUnit, result: Result, update: Tensors) -> list[Res
             transaction.on_commit(notify.work_available)
         return []
     reference = updates[canonical.pk]
-    # Volunteers in id order: every transaction that credits or penalises several takes their rows in the
-    # same order.
+    # Every volunteer's row (in id order), then their teams': each grant below locks a volunteer and then
+    # the team, and crediting several one at a time could cross another transaction's order.
+    credit_lock(user_ids=[candidate.volunteer_id for candidate in candidates])
     for candidate in sorted(candidates, key=lambda r: r.volunteer_id):
         candidate.work_unit = work_unit
         candidate.spot_checked = True

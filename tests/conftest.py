@@ -31,6 +31,16 @@ def mnist_arrays(per_class: int = 100) -> tuple[np.ndarray, np.ndarray]:
     return np.concatenate(xs)[order], np.concatenate(ys)[order]
 
 
+@pytest.fixture(autouse=True)
+def default_language() -> Iterator[None]:
+    """LocaleMiddleware activates a request's language in the thread that served it and leaves it active: a
+    test client's French request would make every later test in the process French."""
+    yield
+    from django.utils import translation
+
+    translation.deactivate()
+
+
 def npz_bytes(**arrays: np.ndarray) -> bytes:
     buffer = io.BytesIO()
     np.savez(buffer, **arrays)  # type: ignore[arg-type]
@@ -75,6 +85,21 @@ def mlp_project(researcher: User, digits_dataset: Any) -> Any:
     return project_start(project=project)
 
 
+@pytest.fixture
+def second_project(researcher: User, digits_dataset: Any) -> Any:
+    """Another running MLP project on the same data: per-project credit and boards."""
+    from projects.services import project_create, project_start
+
+    project = project_create(
+        owner=researcher,
+        name="Second MLP",
+        dataset=digits_dataset,
+        preset="mlp",
+        settings={"batch_size": 50, "round_samples": 100, "learning_rate": 0.1},
+    )
+    return project_start(project=project)
+
+
 def launch_options() -> dict[str, Any]:
     """WebGL2 through SwiftShader. (ANGLE on Vulkan/lavapipe gave no WebGL2 context in headless
     Chromium 156 here, with or without --enable-features=Vulkan, so it is not offered.)"""
@@ -87,6 +112,23 @@ def browser() -> Iterator[Any]:
     if not Path(CHROMIUM).exists():
         pytest.skip("chromium not installed")
     with playwright_api.sync_playwright() as pw:
+        instance = pw.chromium.launch(**launch_options())
+        yield instance
+        instance.close()
+
+
+@pytest.fixture
+def own_browser() -> Iterator[Any]:
+    """A Playwright of the test's own, stopped when it ends, for live_server tests. The session's `browser`
+    keeps Playwright's event loop marked running in the main thread for the rest of the session, and every
+    later test of the live_server / transactional group (which pytest-django runs together, before the
+    database-free browser tests) would be refused by Django's async-safety check. Database-free tests
+    take the session's `browser`: a second sync Playwright in the same thread is refused."""
+    from playwright.sync_api import sync_playwright
+
+    if not Path(CHROMIUM).exists():
+        pytest.skip("chromium not installed")
+    with sync_playwright() as pw:
         instance = pw.chromium.launch(**launch_options())
         yield instance
         instance.close()

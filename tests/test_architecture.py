@@ -16,7 +16,8 @@ FIRST_PARTY = ("accounts", "config", "engine", "frontend", "projects", "uploads"
 # projects/ services, lowest first: each imports only modules of the layers below its own.
 LAYERS = (
     ("projects.models", "projects.notify", "projects.curves"),
-    ("projects.blobs", "projects.shares"),
+    ("projects.blob_store",),  # where blob bytes live (a bucket): below blobs and storage, which use it
+    ("projects.blobs", "projects.shares", "projects.selectors"),
     ("projects.datasets", "projects.storage"),
     ("projects.lifecycle",),
     ("projects.services",),

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from django.contrib import admin
-from django.db.models import Count, Model, QuerySet, Sum
+from django.db.models import Count, Model, QuerySet
 from django.http import HttpRequest
 
 from frontend.templatetags.crowdtrain import format_flops
@@ -23,20 +23,23 @@ class DeviceInline(admin.TabularInline):
 
 @admin.register(Team)
 class TeamAdmin(admin.ModelAdmin):
-    list_display = ["name", "members", "flops", "created_at"]
+    list_display = ["name", "founder", "members", "flops", "created_at"]
+    list_select_related = ["founder"]
     search_fields = ["name"]
+    raw_id_fields = ["founder"]
+    # Credit is what members earned while members (credit_grant keeps it): never typed in.
+    readonly_fields = ["total_flops", "expavg_credit", "expavg_time", "created_at"]
 
     def get_queryset(self, request: HttpRequest) -> QuerySet[Team]:
-        teams = super().get_queryset(request)
-        return teams.annotate(member_count=Count("members"), flop_sum=Sum("members__total_flops"))
+        return super().get_queryset(request).annotate(member_count=Count("members"))
 
     @admin.display(description="members", ordering="member_count")
     def members(self, team: Team) -> int:
         return team.member_count  # type: ignore[attr-defined]
 
-    @admin.display(description="total FLOPs", ordering="flop_sum")
+    @admin.display(description="total FLOPs", ordering="total_flops")
     def flops(self, team: Team) -> str:
-        return format_flops(team.flop_sum or 0)  # type: ignore[attr-defined]
+        return format_flops(team.total_flops)
 
 
 @admin.register(Volunteer)

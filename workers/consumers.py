@@ -27,10 +27,11 @@ from projects.lifecycle import (
     result_receive,
     result_refuse,
     results_release,
-    work_unit_assign,
+    work_unit_offer,
 )
-from workers import limits, protocol
+from workers import fitting, limits, protocol
 from workers.models import Device
+from workers.preferences import DEFAULTS, Preferences, preferences_effective
 from workers.protocol import ProtocolError, ResultMeta
 from workers.services import device_disconnect, device_register
 
@@ -49,6 +50,8 @@ class VolunteerConsumer(AsyncWebsocketConsumer):
         self.joined = False
         self.refused = False
         self.device: Device | None = None
+        self.memory_mb: float | None = None  # the browser's (hello): it bounds the work units it gets
+        self.preferences: Preferences = DEFAULTS  # the device's computing preferences, from hello on
 
     async def connect(self) -> None:
         self.user = self.scope.get("user")
@@ -168,26 +171,38 @@ class VolunteerConsumer(AsyncWebsocketConsumer):
         if previous is not None and previous.pk != self.device.pk:  # a second hello, as another device
             await database_sync_to_async(device_disconnect)(device_id=previous.pk)
         volunteer = self.device.volunteer
+        self.memory_mb = info.memory_mb
+        await database_sync_to_async(fitting.download_forget_sent)(device_id=self.device.pk)
+        self.preferences = await self._preferences()
         self.greeted = True
         await self.send_json(
-            {
-                "type": "welcome",
-                "protocol": protocol.PROTOCOL_VERSION,
-                "volunteer": {"username": self.user.get_username(), "credit_flops": volunteer.total_flops},
-            }
+            protocol.welcome_message(
+                username=self.user.get_username(),
+                credit_flops=volunteer.total_flops,
+                preferences=self.preferences,
+            )
         )
+
+    async def _preferences(self) -> Preferences:
+        assert self.device is not None
+        preferences: Preferences = await database_sync_to_async(preferences_effective)(
+            volunteer_id=self.device.volunteer_id, device_id=self.device.pk
+        )
+        return preferences
 
     async def on_ready(self, message: protocol.Ready | None = None) -> None:
         if len(self.assigned) >= MAX_IN_FLIGHT:
             raise ProtocolError("busy", f"Finish a work unit first: at most {MAX_IN_FLIGHT} at a time.")
-        result = await database_sync_to_async(work_unit_assign)(user=self.user, device=self.device)
-        if result is None:
+        offer = await database_sync_to_async(work_unit_offer)(
+            user=self.user, device=self.device, preferences=self.preferences, memory_mb=self.memory_mb
+        )
+        if offer.result is None:
             self.waiting = True
-            await self.send_json({"type": "idle"})
+            await self.send_json(protocol.idle_message(offer.why))
             return
         self.waiting = False
-        self.assigned.add(result.work_unit_id)  # first: if the reply fails, disconnect still releases it
-        await self.send_json(protocol.assign_message(result))
+        self.assigned.add(offer.result.work_unit_id)  # first: if the reply fails, disconnect releases it
+        await self.send_json(protocol.assign_message(offer.result, why=offer.why))
 
     async def on_progress(self, message: protocol.Progress) -> None:
         """Heartbeats keep the connection alive; deadlines are enforced by the transitioner."""
@@ -199,6 +214,13 @@ class VolunteerConsumer(AsyncWebsocketConsumer):
                 "bad_message", "Send each result's binary frame before the next result: both are dropped."
             )
         self.pending = protocol.result_meta(message)
+
+    async def on_release(self, message: protocol.Release) -> None:
+        """The browser paused with work it had not started: someone else may do it meanwhile."""
+        held = [pk for pk in message.work_units if pk in self.assigned]
+        self.assigned.difference_update(held)
+        if held:
+            await self._release(held)
 
     async def on_bye(self, message: protocol.Bye) -> None:
         await self.close()
@@ -247,6 +269,17 @@ class VolunteerConsumer(AsyncWebsocketConsumer):
             await asyncio.sleep(random.uniform(0, 0.05))
             if self.waiting and len(self.assigned) < MAX_IN_FLIGHT:
                 await self._guarded(self.on_ready())
+
+    async def preferences_changed(self, event: dict[str, Any]) -> None:
+        """The volunteer saved preferences: this browser gets its set at once, and new work if it may now."""
+        if self.device is not None:  # else not greeted yet: the welcome will carry them
+            await self._guarded(self._apply_preferences())
+
+    async def _apply_preferences(self) -> None:
+        self.preferences = await self._preferences()
+        await self.send_json(protocol.preferences_message(self.preferences))
+        if self.waiting and len(self.assigned) < MAX_IN_FLIGHT:
+            await self.on_ready()
 
     async def result_decided(self, event: dict[str, Any]) -> None:
         await self.send_json(protocol.credit_message(event))

@@ -4,10 +4,17 @@ from __future__ import annotations
 
 import secrets
 from datetime import datetime, timedelta
+from typing import Protocol
 
 from django.conf import settings
+from django.core.validators import MaxValueValidator, MinValueValidator
 from django.db import models
+from django.db.models.functions import Lower
 from django.utils import timezone
+from django.utils.translation import gettext_lazy as _
+
+from engine import spec
+from workers.credit import credit_from_flops, decayed, update_average
 
 MAX_BIGINT = 2**63 - 1
 MAX_OBSERVED_MS = 2**31 - 1  # what one result's compute time can be stored as (projects.Result.compute_ms)
@@ -15,17 +22,72 @@ MAX_OBSERVED_MS = 2**31 - 1  # what one result's compute time can be stored as (
 INVALID_STREAK = 2
 
 
-class Team(models.Model):
+class _Credited(Protocol):
+    total_flops: int
+    expavg_credit: float
+    expavg_time: datetime | None
+
+
+class RecentCredit:
+    """A row that earns credit: its total (FLOPs) and BOINC's recent average credit (workers/credit.py)."""
+
+    CREDIT_FIELDS = ("total_flops", "expavg_credit", "expavg_time")
+
+    def total_credit(self: _Credited) -> float:
+        return credit_from_flops(self.total_flops)
+
+    def recent_credit(self: _Credited, *, now: datetime) -> float:
+        """The stored average decayed to `now`: it changes only when credit is granted."""
+        since = self.expavg_time.timestamp() if self.expavg_time else None
+        return decayed(avg=self.expavg_credit, avg_time=since, now=now.timestamp())
+
+    def add_credit(self: _Credited, *, flops: int, now: datetime) -> None:
+        """Callers hold the row's lock (workers.services.credit_grant): read, add and write as one."""
+        _add_credit(self, flops=flops, now=now)
+
+
+def _add_credit(row: _Credited, *, flops: int, now: datetime) -> None:
+    since = row.expavg_time.timestamp() if row.expavg_time else None
+    row.expavg_credit = update_average(
+        avg=row.expavg_credit, avg_time=since, credit=credit_from_flops(flops), now=now.timestamp()
+    )
+    # Never backwards: a grant stamped a moment earlier may commit after a later one.
+    row.expavg_time = max(now, row.expavg_time) if row.expavg_time else now
+    row.total_flops = min(row.total_flops + flops, MAX_BIGINT)
+
+
+class Team(RecentCredit, models.Model):
     name = models.CharField(max_length=100, unique=True)
+    # The founder edits the team's page and may hand it over; null once the founder's account is deleted.
+    founder = models.ForeignKey(
+        settings.AUTH_USER_MODEL,
+        on_delete=models.SET_NULL,
+        null=True,
+        blank=True,
+        related_name="founded_teams",
+    )
+    description = models.TextField(max_length=4000, blank=True)
+    url = models.URLField(blank=True)
+    country = models.CharField(max_length=2, blank=True, help_text="ISO 3166-1 alpha-2 code.")
+    # As BOINC: credit its members earned while members (joining brings none, leaving takes none away).
+    total_flops = models.BigIntegerField(default=0)
+    # BOINC's recent average credit (credit per day, 7-day half-life) and when it was last decayed.
+    expavg_credit = models.FloatField(default=0.0)
+    expavg_time = models.DateTimeField(null=True, blank=True)
     created_at = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        constraints = [models.UniqueConstraint(Lower("name"), name="team_name_unique_ignoring_case")]
 
     def __str__(self) -> str:
         return self.name
 
 
-class Volunteer(models.Model):
+class Volunteer(RecentCredit, models.Model):
     user = models.OneToOneField(settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="volunteer")
     team = models.ForeignKey(Team, on_delete=models.SET_NULL, null=True, blank=True, related_name="members")
+    # When the volunteer joined their team: a founder who leaves hands the team to its longest member.
+    team_joined_at = models.DateTimeField(null=True, blank=True)
     # Denormalised sum of this volunteer's CreditEntry rows, updated in the same transaction.
     total_flops = models.BigIntegerField(default=0)
     results_accepted = models.PositiveIntegerField(default=0)
@@ -36,10 +98,21 @@ class Volunteer(models.Model):
     # a poisoning account stops holding the work units of each round for honest volunteers.
     consecutive_invalid = models.PositiveIntegerField(default=0)
     no_work_until = models.DateTimeField(null=True, blank=True)
+    display_name = models.CharField(
+        max_length=100, blank=True, help_text="Shown on leaderboards instead of the username."
+    )
+    country = models.CharField(max_length=2, blank=True, help_text="ISO 3166-1 alpha-2 code.")
+    url = models.URLField(blank=True)
+    # BOINC's recent average credit (credit per day, 7-day half-life) and when it was last decayed.
+    expavg_credit = models.FloatField(default=0.0)
+    expavg_time = models.DateTimeField(null=True, blank=True)
     created_at = models.DateTimeField(auto_now_add=True)
 
     def __str__(self) -> str:
         return self.user.get_username()
+
+    def public_name(self) -> str:
+        return self.display_name or self.user.get_username()
 
     def is_trusted(self, *, threshold: int) -> bool:
         return self.consecutive_valid >= threshold
@@ -65,12 +138,18 @@ def server_client_id() -> str:
     return f"server:{secrets.token_hex(8)}"
 
 
-class Device(models.Model):
+class Device(RecentCredit, models.Model):
     """One browser (or simulator) of a volunteer, kept across its connections."""
 
     volunteer = models.ForeignKey(Volunteer, on_delete=models.CASCADE, related_name="devices")
     # The browser's own random id; "unknown:<backend>" for clients that send none (one per backend).
     client_id = models.CharField(max_length=64, default=server_client_id)
+    name = models.CharField(max_length=60, blank=True, help_text="The volunteer's own name for it.")
+    # Credit of the results this device computed (BOINC's host total_credit), and its recent average
+    # (credit per day, 7-day half-life).
+    total_flops = models.BigIntegerField(default=0)
+    expavg_credit = models.FloatField(default=0.0)
+    expavg_time = models.DateTimeField(null=True, blank=True)
     backend = models.CharField(max_length=20)
     gflops = models.FloatField(default=0.0, help_text="Measured by the browser's benchmark.")
     observed_gflops = models.FloatField(default=0.0, help_text="Server-side FLOPs / reported compute time.")
@@ -81,6 +160,9 @@ class Device(models.Model):
     user_agent = models.CharField(max_length=300, blank=True)
     last_seen = models.DateTimeField(auto_now=True)
     created_at = models.DateTimeField(auto_now_add=True)
+    # Forgotten by its volunteer (accounts.services.device_forget): hidden from their pages and detached from
+    # its browser, but kept, with its credit, so that host totals still add up to the ledger.
+    forgotten_at = models.DateTimeField(null=True, blank=True)
 
     class Meta:
         constraints = [
@@ -109,6 +191,14 @@ class Device(models.Model):
         """Observed throughput once known; the browser's own benchmark until then."""
         return self.observed_gflops or self.gflops or 1.0
 
+    def forget(self, *, now: datetime) -> None:
+        """Hidden and detached from its browser: a new id with a colon (browsers' ids have none, and such ids
+        do not count against MAX_DEVICES_PER_VOLUNTEER), so that browser is a new device if it comes back.
+        What identifies the machine goes; its credit and speed stay."""
+        self.client_id = f"forgotten:{secrets.token_hex(8)}"
+        self.name, self.user_agent = "", ""
+        self.forgotten_at = self.forgotten_at or now
+
     def observe(self, *, flops: int, compute_ms: int) -> None:
         """One accepted result's server-side FLOPs over its compute time. Callers bound the time by the
         time the work was out (lifecycle.result_receive); the bounds here keep a bad value finite and
@@ -124,14 +214,149 @@ class Device(models.Model):
         self.compute_ms = min(self.compute_ms + compute_ms, MAX_BIGINT)
 
 
+# Bounds of the computing preferences (the form, the model's checks and the protocol's schema share them).
+DUTY_CYCLE_MIN, DUTY_CYCLE_MAX = spec.PROTOCOL["preferences"]["duty_cycle_percent"]
+MAX_PREFERENCE_MB = 1_000_000  # a terabyte: beyond any real work unit or daily allowance
+# Blobs remembered per device and day as already sent (see DeviceDownload.blobs).
+MAX_REMEMBERED_BLOBS = 128
+
+
+class ComputingPreferences(models.Model):
+    """BOINC's computing preferences: a volunteer's defaults (`device` null), or one device's override, a
+    whole set that replaces the defaults on that device (as BOINC's venues do)."""
+
+    class Projects(models.TextChoices):
+        ANY = "any", _("Any project, new ones too")
+        ONLY = "only", _("Only the projects ticked below")
+        EXCEPT = "except", _("Any project except those ticked below")
+
+    volunteer = models.ForeignKey(Volunteer, on_delete=models.CASCADE, related_name="computing_preferences")
+    device = models.OneToOneField(
+        Device, on_delete=models.CASCADE, null=True, blank=True, related_name="computing_preferences"
+    )
+    duty_cycle = models.PositiveSmallIntegerField(
+        default=DUTY_CYCLE_MAX,
+        validators=[MinValueValidator(DUTY_CYCLE_MIN), MaxValueValidator(DUTY_CYCLE_MAX)],
+        help_text="Percent of the time spent computing (the rest between work units).",
+    )
+    pause_when_hidden = models.BooleanField(default=True)
+    pause_on_battery = models.BooleanField(default=True, help_text="While the battery is discharging.")
+    battery_min_percent = models.PositiveSmallIntegerField(
+        default=0, validators=[MaxValueValidator(100)], help_text="Pause below this charge; 0: never."
+    )
+    pause_while_active = models.BooleanField(
+        default=False, help_text="Pause for a few seconds after each key press or mouse move on the page."
+    )
+    projects = models.CharField(max_length=6, choices=Projects.choices, default=Projects.ANY)
+    chosen_projects = models.ManyToManyField("projects.Project", blank=True, related_name="+")
+    max_work_unit_mb = models.PositiveIntegerField(
+        null=True,
+        blank=True,
+        validators=[MinValueValidator(1), MaxValueValidator(MAX_PREFERENCE_MB)],
+        help_text="Largest download and memory of one work unit; empty: no limit.",
+    )
+    max_download_mb_per_day = models.PositiveIntegerField(
+        null=True, blank=True, validators=[MinValueValidator(1), MaxValueValidator(MAX_PREFERENCE_MB)]
+    )
+    updated_at = models.DateTimeField(auto_now=True)
+
+    class Meta:
+        verbose_name_plural = "computing preferences"
+        constraints = [
+            models.UniqueConstraint(
+                fields=["volunteer"], condition=models.Q(device__isnull=True), name="one_default_preferences"
+            ),
+            models.CheckConstraint(
+                condition=models.Q(duty_cycle__gte=DUTY_CYCLE_MIN, duty_cycle__lte=DUTY_CYCLE_MAX),
+                name="preferences_duty_cycle_bounds",
+            ),
+            models.CheckConstraint(
+                condition=models.Q(battery_min_percent__lte=100), name="preferences_battery_bounds"
+            ),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.volunteer} ({self.device or 'defaults'})"
+
+
+class DeviceDownload(models.Model):
+    """What one device was sent to download on one (UTC) day: the daily download limit reads it. Counted
+    when a work unit is assigned: its graph, weights and whole shard (browsers fetch shards whole), except
+    blobs this device was already sent since it connected, which its browser has cached."""
+
+    device = models.ForeignKey(Device, on_delete=models.CASCADE, related_name="downloads")
+    day = models.DateField()
+    bytes = models.PositiveBigIntegerField(default=0)
+    work_units = models.PositiveIntegerField(default=0)
+    # SHA-256s sent since the device's latest connection (most recent last, at most MAX_REMEMBERED_BLOBS).
+    blobs = models.JSONField(default=list, blank=True)
+
+    class Meta:
+        constraints = [
+            models.UniqueConstraint(fields=["device", "day"], name="one_download_row_per_device_day")
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.device_id} {self.day}: {self.bytes} B"
+
+    def unsent(self, blobs: dict[str, int]) -> int:
+        """Bytes of `blobs` ({sha256: size}) this device has not been sent since it connected."""
+        return sum(size for sha, size in blobs.items() if sha not in self.blobs)
+
+    def record(self, blobs: dict[str, int]) -> None:
+        """One more work unit sent with `blobs`: count what is new, remember all of them."""
+        self.bytes += self.unsent(blobs)
+        self.work_units += 1
+        kept = [sha for sha in self.blobs if sha not in blobs] + list(blobs)
+        self.blobs = kept[-MAX_REMEMBERED_BLOBS:]
+
+
 class CreditEntry(models.Model):
     """One line of the ledger: FLOPs granted for one accepted result, computed on the server."""
 
     volunteer = models.ForeignKey(Volunteer, on_delete=models.CASCADE, related_name="credit")
     project = models.ForeignKey("projects.Project", on_delete=models.CASCADE, related_name="credit")
     result = models.OneToOneField("projects.Result", on_delete=models.CASCADE, related_name="credit")
+    # The volunteer's team when the credit was granted: a team's total is the sum of its lines.
+    team = models.ForeignKey(Team, on_delete=models.SET_NULL, null=True, blank=True, related_name="credit")
     flops = models.BigIntegerField()
     created_at = models.DateTimeField(auto_now_add=True, db_index=True)
 
     class Meta:
         verbose_name_plural = "credit entries"
+
+
+class VolunteerProjectCredit(RecentCredit, models.Model):
+    """A volunteer's credit in one project (BOINC's credit_user): the per-project leaderboards read it,
+    updated with the ledger in workers.services.credit_grant."""
+
+    volunteer = models.ForeignKey(Volunteer, on_delete=models.CASCADE, related_name="project_credit")
+    project = models.ForeignKey("projects.Project", on_delete=models.CASCADE, related_name="volunteer_credit")
+    total_flops = models.BigIntegerField(default=0)
+    results = models.PositiveIntegerField(default=0)
+    expavg_credit = models.FloatField(default=0.0)
+    expavg_time = models.DateTimeField(null=True, blank=True)
+    # The first credit in this project (the certificate's "since").
+    since = models.DateTimeField(default=timezone.now)
+
+    class Meta:
+        constraints = [
+            models.UniqueConstraint(
+                fields=["project", "volunteer"], name="one_credit_row_per_volunteer_project"
+            )
+        ]
+
+
+class TeamProjectCredit(RecentCredit, models.Model):
+    """A team's credit in one project (BOINC's credit_team), earned by members while members."""
+
+    team = models.ForeignKey(Team, on_delete=models.CASCADE, related_name="project_credit")
+    project = models.ForeignKey("projects.Project", on_delete=models.CASCADE, related_name="team_credit")
+    total_flops = models.BigIntegerField(default=0)
+    expavg_credit = models.FloatField(default=0.0)
+    expavg_time = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        constraints = [
+            models.UniqueConstraint(fields=["project", "team"], name="one_credit_row_per_team_project")
+        ]

@@ -16,6 +16,7 @@ from engine import spec
 from projects.blobs import shard_url
 from projects.lifecycle import ResultOutcome
 from projects.models import Result
+from workers import preferences as computing
 
 # Shared with the browsers (engine/spec.json): the version, bounds and close codes they must respect.
 PROTOCOL_VERSION = spec.PROTOCOL_VERSION
@@ -99,16 +100,24 @@ class ResultMessage(_Schema):
     timings: Timings = Timings()
 
 
+class Release(_Schema):
+    """Work units the browser gives back unstarted (it paused): at most what a connection may hold."""
+
+    type: Literal["release"]
+    work_units: Annotated[list[Count], Field(min_length=1, max_length=spec.MAX_IN_FLIGHT)]
+
+
 class Bye(_Schema):
     type: Literal["bye"]
 
 
-ClientMessage = Hello | Ready | Progress | ResultMessage | Bye
+ClientMessage = Hello | Ready | Progress | ResultMessage | Release | Bye
 SCHEMAS: dict[str, type[ClientMessage]] = {
     "hello": Hello,
     "ready": Ready,
     "progress": Progress,
     "result": ResultMessage,
+    "release": Release,
     "bye": Bye,
 }
 CLIENT_TYPES = set(SCHEMAS)
@@ -188,14 +197,51 @@ def result_meta(message: ResultMessage) -> ResultMeta:
     )
 
 
-def assign_message(result: Result) -> dict[str, Any]:
+def welcome_message(
+    *, username: str, credit_flops: int, preferences: computing.Preferences
+) -> dict[str, Any]:
+    return {
+        "type": "welcome",
+        "protocol": PROTOCOL_VERSION,
+        "volunteer": {"username": username, "credit_flops": credit_flops},
+        "preferences": preferences_payload(preferences),
+    }
+
+
+def preferences_message(preferences: computing.Preferences) -> dict[str, Any]:
+    return {"type": "preferences", "preferences": preferences_payload(preferences)}
+
+
+def preferences_payload(preferences: computing.Preferences) -> dict[str, Any]:
+    """What the browser enforces itself (the server enforces the rest, and says what in `limits`)."""
+    return {
+        "duty_cycle": preferences.duty_cycle,
+        "pause_when_hidden": preferences.pause_when_hidden,
+        "pause_on_battery": preferences.pause_on_battery,
+        "battery_min_percent": preferences.battery_min_percent,
+        "pause_while_active": preferences.pause_while_active,
+        "source": preferences.source,
+        "limits": {
+            "projects": preferences.projects,
+            "max_work_unit_mb": preferences.max_work_unit_mb,
+            "max_download_mb_per_day": preferences.max_download_mb_per_day,
+        },
+    }
+
+
+def idle_message(reason: str) -> dict[str, Any]:
+    return {"type": "idle", "reason": reason}
+
+
+def assign_message(result: Result, *, why: str = "share") -> dict[str, Any]:
+    """`why` the project was chosen: spec.json's assign_why."""
     work_unit = result.work_unit
     project = work_unit.project
     return {
         "type": "assign",
         "work_unit": {
             "id": work_unit.pk,
-            "project": {"id": project.pk, "name": project.name},
+            "project": {"id": project.pk, "name": project.name, "why": why},
             "model_version": work_unit.version.number,
             "task": project.task,
             "graph_url": project.graph.url,

@@ -5,11 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 
-from django.db.models import QuerySet, Sum
+from django.db.models import Sum
 from django.db.models.functions import TruncMinute
 from django.utils import timezone
 
-from workers.models import CreditEntry, Device, Volunteer
+from workers.models import CreditEntry, Device
 
 
 @dataclass(frozen=True)
@@ -72,13 +72,10 @@ def credit_rate_series(*, minutes: int = 60) -> list[tuple[datetime, float]]:
     return [(minute, totals.get(minute, 0) / 60.0) for minute in buckets]
 
 
-def leaderboard(*, limit: int = 100) -> QuerySet[Volunteer]:
-    """Volunteers with any credit, most FLOPs first."""
-    return (
-        Volunteer.objects.filter(total_flops__gt=0)
-        .select_related("user", "team")
-        .order_by("-total_flops", "-results_accepted", "user__username")[:limit]
-    )
+def credit_since(*, volunteer_id: int, since: datetime) -> int:
+    """FLOPs granted to a volunteer since `since` (the Contribute page's credit today)."""
+    rows = CreditEntry.objects.filter(volunteer_id=volunteer_id, created_at__gte=since)
+    return int(rows.aggregate(total=Sum("flops"))["total"] or 0)
 
 
 def compute_share(*, hours: int = 24) -> float | None:

@@ -10,10 +10,11 @@ import re
 import threading
 import time
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
+
+from tests.browser.pages import contribute_html
 
 pytestmark = [pytest.mark.browser, pytest.mark.slow]
 codecs = pytest.importorskip("engine.codecs")
@@ -21,27 +22,11 @@ presets = pytest.importorskip("engine.presets")
 runtime = pytest.importorskip("engine.runtime")
 ws_server = pytest.importorskip("websockets.sync.server")
 
-TEMPLATE = Path(__file__).resolve().parents[2] / "frontend" / "templates" / "frontend" / "contribute.html"
 CREDIT = 123_456_789
 
 
 def page_from_template(socket_url: str) -> str:
-    """The template's content and scripts blocks with Django tags replaced by what they render to."""
-    text = TEMPLATE.read_text()
-
-    def block(name: str) -> str:
-        found = re.search(r"{% block " + name + r" %}(.*?){% endblock %}", text, re.S)
-        assert found is not None, f"no block {name} in {TEMPLATE}"
-        return found.group(1)
-
-    html = block("content") + block("scripts")
-    html = re.sub(r"{% static '([^']+)' %}", r"/static/\1", html)
-    html = html.replace("{{ volunteer.total_flops|default:0 }}", "0")
-    html = html.replace("{{ volunteer.total_flops|flops }}", "0 FLOP")
-    html = html.replace('data-socket-path="/ws/volunteer/"', f'data-socket-url="{socket_url}"')
-    assert "{%" not in html and "{{" not in html
-    head = '<link rel="stylesheet" href="/static/frontend/site.css">'
-    return f"<!doctype html><html><head>{head}</head><body>{html}</body></html>"
+    return contribute_html(socket_url)
 
 
 class FakeServer:
@@ -202,6 +187,8 @@ def test_contribute_page_runs_the_protocol(browser: Any, static_server: Any, fak
 
     assert page.get_attribute("#credit", "data-flops") == str(1000 + CREDIT)  # from the `credit` verdict
     assert page.text_content("#credit") == "123 MFLOP"
+    assert page.get_attribute("#credit-today", "data-flops") == str(CREDIT)  # only the valid verdict's
+    assert page.title() == "⏸ Paused (no work) — Crowdtrain"  # `idle`: no work for this volunteer
     log = page.text_content("#log")
     assert "work unit 1 validated: +123 MFLOP" in log and "work unit 3 invalid: differs" in log
     assert page.text_content("#backend").startswith("webgl")

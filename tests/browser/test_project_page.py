@@ -9,7 +9,6 @@ import pytest
 
 from projects.models import Baseline, BaselinePoint, Metric, Project
 from projects.services import version_publish, version_weights
-from tests.conftest import launch_options
 
 pytestmark = [pytest.mark.browser, pytest.mark.slow]
 
@@ -31,20 +30,6 @@ def orm_beside_playwright() -> Iterator[None]:
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("DJANGO_ALLOW_ASYNC_UNSAFE", "true")
         yield
-
-
-@pytest.fixture
-def own_browser() -> Iterator[Any]:
-    """A Playwright of this test's own, stopped when it ends. The session's `browser` would keep Playwright's
-    event loop marked running in this thread for the rest of the session, and every later test of the
-    live_server / transactional group (which pytest-django runs together, before the database-free browser
-    tests) would be refused by Django's async-safety check."""
-    from playwright.sync_api import sync_playwright
-
-    with sync_playwright() as pw:
-        instance = pw.chromium.launch(**launch_options())
-        yield instance
-        instance.close()
 
 
 def publish(project: Project, number: int, accuracy: float) -> None:

@@ -9,6 +9,7 @@ import threading
 import time
 from collections.abc import Coroutine, Iterator
 from contextlib import contextmanager
+from datetime import datetime
 from typing import Any, TypeVar
 
 import psycopg
@@ -27,8 +28,9 @@ TRANSITION_PERIOD = 5.0  # celery beat runs the transitioner this often (setting
 class Crowd:
     """Honest simulated volunteers at full speed (gflops=0: no emulated delays) on their own loop."""
 
-    def __init__(self, stack: ChaosStack) -> None:
+    def __init__(self, stack: ChaosStack, url: str | None = None) -> None:
         self.stack = stack
+        self.url = url or stack.url  # a load balancer's, to spread the crowd over several daphnes
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True, name="crowd")
         self.thread.start()
@@ -38,7 +40,7 @@ class Crowd:
 
     def join(self, name: str, **overrides: Any) -> None:
         config = SimulatorConfig(
-            url=self.stack.url,
+            url=self.url,
             username=name,
             password=PASSWORD,
             signup=True,
@@ -98,8 +100,8 @@ class Crowd:
 
 
 @contextmanager
-def crowd_of(stack: ChaosStack) -> Iterator[Crowd]:
-    crowd = Crowd(stack)
+def crowd_of(stack: ChaosStack, url: str | None = None) -> Iterator[Crowd]:
+    crowd = Crowd(stack, url)
     try:
         yield crowd
     finally:
@@ -284,43 +286,73 @@ def violations(stack: ChaosStack) -> dict[str, list[tuple[Any, ...]]]:
                 (project_id(stack),),
             ).fetchall()
             referenced = _referenced_blobs(conn)
-    found.update(_version_problems(stack, [(int(n), sha) for n, sha in versions]))
-    found.update(_blob_problems(stack, referenced))
+    missing = _missing_blobs(stack, referenced)
+    found.update(_version_problems([(int(n), sha) for n, sha in versions], missing))
+    found.update(_blob_problems(referenced, missing))
     return found
 
 
 def _version_problems(
-    stack: ChaosStack, versions: list[tuple[int, str | None]]
+    versions: list[tuple[int, str | None]], missing: set[str]
 ) -> dict[str, list[tuple[Any, ...]]]:
     found: dict[str, list[tuple[Any, ...]]] = {}
     numbers = [n for n, _ in versions]
     if numbers != list(range(len(numbers))):
         found["version numbers not contiguous from 0"] = [tuple(numbers)]
-    missing = [(n, sha) for n, sha in versions if sha and not (stack.blob_root / sha[:2] / sha).is_file()]
-    if missing:
-        found["version without its weights file on disk"] = missing[:5]
+    lost = [(n, sha) for n, sha in versions if sha in missing]
+    if lost:
+        found["version without its weights file on disk"] = lost[:5]
     return found
 
 
-def _referenced_blobs(conn: psycopg.Connection[Any]) -> list[tuple[str, str, str | None]]:
-    """(table, column, sha of the blob row or None if the row is gone) for every blob some row refers to."""
-    rows: list[tuple[str, str, str | None]] = []
+Referenced = list[tuple[str, str, datetime | None]]
+
+
+def _referenced_blobs(conn: psycopg.Connection[Any]) -> Referenced:
+    """(table, sha, when the blob's row was created or None if the row is gone) for every blob some row
+    refers to."""
+    rows: Referenced = []
     for table, column in BLOB_COLUMNS:
         query = (
-            f"SELECT DISTINCT t.{column}, b.sha256 FROM {table} t "
+            f"SELECT DISTINCT t.{column}, b.created_at FROM {table} t "
             f"LEFT JOIN projects_blob b ON b.sha256 = t.{column} WHERE t.{column} IS NOT NULL"
         )
-        rows += [(table, str(ref), row) for ref, row in conn.execute(query).fetchall()]
+        rows += [(table, str(ref), created) for ref, created in conn.execute(query).fetchall()]
     return rows
 
 
-def _blob_problems(stack: ChaosStack, referenced: list[tuple[str, str, str | None]]) -> dict[str, list[Any]]:
-    """A blob some row refers to must have its row (the foreign keys see to that) and its file on disk."""
+def _missing_blobs(stack: ChaosStack, referenced: Referenced) -> set[str]:
+    """Blobs referenced in the snapshot whose bytes are not stored, and still referenced by the very same row
+    afterwards. Beat's sweep keeps running while the bytes are looked for (each one a request when they are
+    in a bucket): a blob released and collected after the snapshot was rightly deleted, and one stored again
+    has a new row."""
+    absent = {sha: created for _, sha, created in referenced if created and not stack.blob_stored(sha)}
+    if not absent:
+        return set()
+    with psycopg.connect(stack.database_url) as conn:
+        rows = conn.execute(
+            "SELECT sha256, created_at FROM projects_blob WHERE sha256 = ANY(%s)", (list(absent),)
+        ).fetchall()
+        same_row = {sha for sha, created in rows if absent[sha] == created}
+        referenced_now: set[str] = set()
+        for table, column in BLOB_COLUMNS:
+            query = f"SELECT DISTINCT {column} FROM {table} WHERE {column} = ANY(%s)"
+            referenced_now |= {sha for (sha,) in conn.execute(query, (list(absent),)).fetchall()}
+    missing = {sha for sha in same_row & referenced_now if not stack.blob_stored(sha)}
+    logger.info(
+        "%d blobs absent after the snapshot, %d of them collected since",
+        len(absent),
+        len(absent) - len(missing),
+    )
+    return missing
+
+
+def _blob_problems(referenced: Referenced, missing: set[str]) -> dict[str, list[Any]]:
+    """A blob some row refers to must have its row (the foreign keys see to that) and its file on disk (or
+    its object in the bucket)."""
     found: dict[str, list[Any]] = {}
-    no_row = [(table, sha) for table, sha, row in referenced if row is None]
-    no_file = [
-        (table, sha) for table, sha, _ in referenced if not (stack.blob_root / sha[:2] / sha).is_file()
-    ]
+    no_row = [(table, sha) for table, sha, created in referenced if created is None]
+    no_file = [(table, sha) for table, sha, _ in referenced if sha in missing]
     if no_row:
         found["referenced blob without its row"] = no_row[:5]
     if no_file:

@@ -17,8 +17,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import psycopg
+from botocore.exceptions import ClientError
 
 from config import supervisor
+from devstack.s3 import S3Server
 from devstack.stack import PYTHON, ROOT, Stack, free_port
 
 logger = logging.getLogger(__name__)
@@ -30,7 +32,7 @@ DEADLINE_SECONDS = 10
 BATCH_SIZE, ROUND_SAMPLES, ROUND_TIMEOUT = 16, 64, 10
 STOP_GRACE = 5.0
 STORAGE_SWEEP = 2.0
-WORKER_READY = re.compile(r"celery@\S+ ready\.")  # the worker's log line once it consumes tasks
+WORKER_READY = re.compile(r"\S+@\S+ ready\.")  # a worker's log line once it consumes tasks (any node name)
 
 
 @dataclass
@@ -42,6 +44,9 @@ class ChaosStack(Stack):
     redis: subprocess.Popen[bytes] | None = None
     setup_commands: list[tuple[str, ...]] = field(default_factory=list)
     startup_timeout: float = 600  # daphne's imports take minutes on a loaded machine
+    # Blob bytes in this S3 server's bucket instead of files under blob_root (projects/blob_store.py).
+    s3: S3Server | None = None
+    bucket: str = "crowdtrain-chaos"
 
     @property
     def redis_url(self) -> str:
@@ -66,11 +71,25 @@ class ChaosStack(Stack):
             CROWDTRAIN_BLOB_GC_GRACE_SECONDS="0",
             CROWDTRAIN_KEEP_EVERY_K_VERSIONS="3",
         )
+        if self.s3 is not None:
+            env.update(self.s3.env(self.bucket))
         return env
 
     def start(self) -> None:
         self.start_redis()
+        if self.s3 is not None:
+            self.s3.create_bucket(self.bucket)
         super().start()
+
+    def blob_stored(self, sha: str) -> bool:
+        """Whether a blob's bytes are stored: its file, or its object in the bucket."""
+        if self.s3 is None:
+            return (self.blob_root / sha[:2] / sha).is_file()
+        try:
+            self.s3.client().head_object(Bucket=self.bucket, Key=f"blobs/{sha[:2]}/{sha}")
+        except ClientError:
+            return False
+        return True
 
     def stop(self) -> None:
         # Faster than Stack.stop's 15 s grace per process: nothing here needs a clean shutdown.
@@ -133,26 +152,31 @@ class ChaosStack(Stack):
             process.wait()
 
     def restart(self, name: str, sig: signal.Signals = signal.SIGKILL) -> None:
-        """Stop `name` with `sig` and start it again; returns once it serves again (web, worker)."""
-        ready = self._times_ready()
+        """Stop `name` with `sig` and start it again; returns once it serves again (web, worker and their
+        replicas: web-2, worker-2...)."""
         started = time.monotonic()
         self.kill(name, sig)
-        self._start(name)
-        if name == "web":
-            self._wait_for_http()
-        if name == "worker":
-            self._wait_for_worker(ready + 1)
+        self.revive(name)
         logger.info("%s killed (%s) and back in %.1fs", name, sig.name, time.monotonic() - started)
 
-    def _times_ready(self) -> int:
-        return len(WORKER_READY.findall(self.log("worker")))
+    def revive(self, name: str) -> None:
+        """Start `name` (stopped by `kill`) again; returns once it serves again."""
+        ready = self._times_ready(name) if name.startswith("worker") else 0
+        self._start(name)
+        if name in self.web_ports:
+            self._wait_for_http(urls=[f"http://127.0.0.1:{self.web_ports[name]}"])
+        if name.startswith("worker"):
+            self._wait_for_worker(name, ready + 1)
 
-    def _wait_for_worker(self, times_ready: int, timeout: float = 90) -> None:
+    def _times_ready(self, name: str = "worker") -> int:
+        return len(WORKER_READY.findall(self.log(name)))
+
+    def _wait_for_worker(self, name: str, times_ready: int, timeout: float = 90) -> None:
         # Importing Django and torch takes a worker ~10 s here; a kill before that tests nothing.
         deadline = time.monotonic() + timeout
-        while self._times_ready() < times_ready:
+        while self._times_ready(name) < times_ready:
             if time.monotonic() > deadline:
-                raise RuntimeError(f"the celery worker did not come back; see {self.var_dir}/worker.log")
+                raise RuntimeError(f"the celery worker did not come back; see {self.var_dir}/{name}.log")
             time.sleep(0.5)
 
     def ensure_running(self) -> None:

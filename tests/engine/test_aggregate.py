@@ -7,6 +7,7 @@ import math
 import numpy as np
 import pytest
 import torch
+from safetensors.torch import save as st_save
 
 from engine.aggregate import check_update, coordinate_median, trimmed_mean, weighted_mean
 
@@ -67,3 +68,69 @@ def test_check_update() -> None:
         check_update({**good, "b": torch.tensor([1.0, math.inf, 0, 0])}, expected)
     )
     assert "float" in str(check_update({**good, "b": torch.ones(4, dtype=torch.int64)}, expected))
+
+
+# --- streaming: one sum, not every update (issue 15) ----------------------------------------------------
+
+from engine import codecs  # noqa: E402
+from engine.aggregate import WeightedSum  # noqa: E402
+
+
+@pytest.mark.parametrize("codec", ["int8", "fp16", "fp32", None])
+def test_a_weighted_sum_equals_the_weighted_mean(codec: str | None) -> None:
+    """Folded in one at a time, as blobs (int8 dequantized straight into the sum) or decoded tensors."""
+    updates, weights = _updates(5, seed=7), [64.0, 50.0, 1.0, 0.0, 13.5]
+    folded = [codecs.parse(codecs.encode(u, codec, block_size=5)) for u in updates] if codec else updates
+    decoded = [codecs.decode(codecs.encode(u, codec, block_size=5))[0] for u in updates] if codec else updates
+    streaming = WeightedSum(["w", "b"])
+    for update, weight in zip(folded, weights, strict=True):
+        streaming.add(update, weight)
+    assert streaming.count == 5 and streaming.total == sum(weights)
+    expected = weighted_mean(decoded, weights)
+    for name, value in streaming.mean().items():
+        torch.testing.assert_close(value, expected[name], rtol=1e-6, atol=1e-6)
+
+
+def test_a_weighted_sum_refuses_what_the_weighted_mean_refuses() -> None:
+    update = _updates(1)[0]
+    streaming = WeightedSum(["w", "b"])
+    with pytest.raises(ValueError, match="no updates"):
+        streaming.mean()
+    for weight in (-1.0, math.nan, math.inf):
+        with pytest.raises(ValueError, match="weight"):
+            streaming.add(update, weight)
+    with pytest.raises(ValueError, match="no \\['b'\\]"):
+        streaming.add({"w": update["w"]}, 1.0)
+    shaped = WeightedSum(["w"])
+    shaped.add({"w": torch.ones(3)}, 1.0)
+    for other in ({"w": torch.ones(1)}, codecs.parse(codecs.encode({"w": torch.ones(2)}, "int8"))):
+        with pytest.raises(ValueError, match="shape"):
+            shaped.add(other, 1.0)
+    streaming.add(update, 0.0)
+    with pytest.raises(ValueError, match="sum to zero"):
+        streaming.mean()
+
+
+def test_check_update_reads_a_blob_as_it_reads_decoded_tensors() -> None:
+    """Names, shapes, dtypes and finite values from the header and the scales: the same verdicts."""
+    expected = {"w": (3, 4), "b": (4,)}
+    good = _updates(1)[0]
+    big = torch.tensor([3e38], dtype=torch.float32)
+    overflow = {"w": torch.full((3, 4), 127, dtype=torch.int8), "w:scale": big, "b": torch.ones(4)}
+    cases = [
+        codecs.encode(good, "int8"),
+        codecs.encode({"w": good["w"]}, "int8"),
+        codecs.encode({**good, "b": torch.ones(5)}, "int8"),
+        codecs.encode({**good, "b": torch.ones(4, dtype=torch.int64)}, "int8"),
+        codecs.encode({**good, "b": torch.tensor([1.0, math.inf, 0, 0])}, "fp32"),
+        bytes(
+            st_save(
+                {k: v.contiguous() for k, v in overflow.items()},
+                metadata={"codec": "int8", "block_size": "12"},
+            )
+        ),
+    ]
+    verdicts = [check_update(codecs.parse(data), expected) for data in cases]
+    assert verdicts == [check_update(codecs.decode(data)[0], expected) for data in cases]
+    assert verdicts[0] is None and all(verdicts[1:])
+    assert "NaN or infinite" in str(verdicts[-1])

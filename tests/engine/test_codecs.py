@@ -362,3 +362,165 @@ def test_random_hostile_headers_only_ever_raise_codec_error() -> None:
         length = rng.choice([len(raw)] * 5 + [0, len(raw) + 1, 2**63, rng.randrange(2**64)])
         with contextlib.suppress(CodecError):
             decode(struct.pack("<Q", length) + raw + bytes(rng.choice([0, 8, 16])))
+
+
+# --- parse: checked, not decoded (issue 15) ------------------------------------------------------------
+
+from engine import codecs  # noqa: E402
+from engine.codecs import encode_parts, parse  # noqa: E402
+
+
+def _model(seed: int = 0) -> dict[str, torch.Tensor]:
+    """Tensors on both sides of codecs.SMALL (gathered together / a loop each), whole and partial blocks."""
+    g = torch.Generator().manual_seed(seed)
+    sizes = {"conv.weight": (40, 30, 3, 3), "fc.weight": (10, 1001), "bn.bias": (64,), "fc.bias": (10,)}
+    return {name: torch.randn(shape, generator=g) * 0.1 for name, shape in sizes.items()}
+
+
+@pytest.fixture(params=[1, 64, 256, 1000])
+def blocks(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> int:
+    # Small chunks and a small SMALL, so that these tensors take every path: gathered, several chunks, a tail.
+    monkeypatch.setattr(codecs, "CHUNK", 4096)
+    monkeypatch.setattr(codecs, "SMALL", 2000)
+    return int(request.param)
+
+
+def test_parse_maps_tensors_and_decodes_them_on_access(blocks: int) -> None:
+    tensors = {**_model(), "ids": torch.arange(7)}
+    data = encode(tensors, "int8", block_size=blocks)
+    packed = parse(data)
+    decoded, meta = decode(data)
+    assert set(packed) == set(tensors) and len(packed) == 5 and "ids" in packed and "x" not in packed
+    assert packed.meta == meta == {"codec": "int8", "block_size": str(blocks)}
+    assert packed.shape("fc.weight") == (10, 1001) and packed.dtype("fc.weight") == torch.int8
+    assert packed.is_float("fc.weight") and not packed.is_float("ids")
+    assert all(torch.equal(packed[name], decoded[name]) for name in tensors)
+    assert all(torch.equal(value, decoded[name]) for name, value in packed.decode().items())
+    assert set(packed.select(["bn.bias", "ids"])) == {"bn.bias", "ids"}
+    with pytest.raises(KeyError):
+        packed.select(["nope"])
+
+
+def test_the_norm_and_the_fold_equal_the_decoded_arithmetic(blocks: int) -> None:
+    """sq_norm and add_to read the int8 values without decoding: the same numbers as decoding first."""
+    for codec in ("int8", "fp16", "fp32"):
+        packed = parse(encode(_model(1), codec, block_size=blocks))
+        decoded = packed.decode()
+        exact = sum(float((t.double() ** 2).sum()) for t in decoded.values())
+        assert math.isclose(packed.sq_norm(), exact, rel_tol=1e-6)
+        sums = {name: torch.full(t.shape, 0.5) for name, t in decoded.items()}
+        packed.add_to(sums, 0.3)
+        for name, value in decoded.items():
+            torch.testing.assert_close(sums[name], 0.5 + 0.3 * value, rtol=1e-6, atol=1e-7)
+
+
+def test_fold_refuses_a_sum_of_another_shape() -> None:
+    packed = parse(encode({"w": torch.ones(3, 4)}, "int8"))
+    with pytest.raises(ValueError, match="shape"):
+        packed.add_to({"w": torch.zeros(4, 3)}, 1.0)
+
+
+def test_finite_looks_at_the_values_only_when_a_scale_could_overflow() -> None:
+    """int8 * a finite scale overflows float32 only for scales near its maximum: then each value counts."""
+    big = torch.tensor([3e38], dtype=torch.float32)
+    overflow = _raw(
+        {"a": torch.tensor([127, 0], dtype=torch.int8), "a:scale": big}, codec="int8", block_size="2"
+    )
+    fine = _raw({"a": torch.tensor([1, 0], dtype=torch.int8), "a:scale": big}, codec="int8", block_size="2")
+    usual = encode({"a": torch.randn(300)}, "int8")
+    for data in (overflow, fine, usual):
+        assert parse(data).finite("a") == bool(torch.isfinite(decode(data)[0]["a"]).all())
+    assert not parse(overflow).finite("a") and parse(fine).finite("a")
+
+
+def test_encoding_is_deterministic_and_its_pieces_are_the_bytes() -> None:
+    tensors = {**_model(), "ids": torch.arange(5, dtype=torch.int32)}
+    for codec in ("fp32", "fp16", "int8"):
+        data = encode(tensors, codec, metadata={"b": "2", "a": "1", "z": "3"})
+        assert b"".join(encode_parts(tensors, codec, metadata={"z": "3", "a": "1", "b": "2"})) == data
+        # safetensors' own reader and writer agree: the same tensors either way.
+        again = _raw(dict(st_load(data)), **decode(data)[1])
+        assert all(torch.equal(v, decode(again)[0][k]) for k, v in decode(data)[0].items())
+    assert all(torch.equal(st_load(encode(tensors))[k], v) for k, v in tensors.items())
+    # The header is padded to 8 bytes and wider elements come first: every tensor is aligned in the file.
+    data = encode(tensors, "int8")
+    size = struct.unpack("<Q", data[:8])[0]
+    header = json.loads(data[8 : 8 + size])
+    entries = [info for name, info in header.items() if name != "__metadata__"]
+    assert size % 8 == 0
+    assert all(e["data_offsets"][0] % {"F32": 4, "I32": 4, "I8": 1}[e["dtype"]] == 0 for e in entries)
+
+
+def test_encoding_refuses_what_decoding_cannot_read() -> None:
+    with pytest.raises(CodecError, match="cannot encode"):
+        encode({"a": torch.ones(2, dtype=torch.complex64)})
+    with pytest.raises(CodecError, match="metadata"):
+        encode({"__metadata__": torch.ones(2)})
+
+
+LAYOUTS = [
+    ("overlapping tensors", {"a": ("F32", [2], [0, 8]), "b": ("F32", [2], [4, 12])}, 12, "overlaps"),
+    ("a gap", {"a": ("F32", [1], [0, 4]), "b": ("F32", [1], [8, 12])}, 12, "gap"),
+    ("bytes after the tensors", {"a": ("F32", [1], [0, 4])}, 8, "ends at byte 4"),
+]
+
+
+@pytest.mark.parametrize(
+    ("entries", "size", "message"), [c[1:] for c in LAYOUTS], ids=[c[0] for c in LAYOUTS]
+)
+def test_tensor_data_must_tile_the_buffer(
+    entries: dict[str, tuple[str, list[int], list[int]]], size: int, message: str
+) -> None:
+    header: dict[str, object] = {
+        n: {"dtype": d, "shape": s, "data_offsets": o} for n, (d, s, o) in entries.items()
+    }
+    with pytest.raises(CodecError, match=message):
+        decode(_st(header, bytes(size)))
+
+
+def test_misaligned_tensors_are_read_from_an_aligned_copy() -> None:
+    """No encoder of ours writes them, but a hand-made blob may: the values still come out right."""
+    values = torch.tensor([1.5, -2.0, 3.25])
+    header = {
+        "b": {"dtype": "U8", "shape": [1], "data_offsets": [0, 1]},
+        "a": {"dtype": "F32", "shape": [3], "data_offsets": [1, 13]},
+    }
+    raw = json.dumps(header).encode()
+    raw += b" " * (-len(raw) % 4)  # the data starts 4-aligned, so "a" (1 byte in) is not
+    data = struct.pack("<Q", len(raw)) + raw + b"\x07" + values.numpy().tobytes()
+    out = decode(data)[0]
+    assert torch.equal(out["a"], values) and out["b"].tolist() == [7]
+
+
+def test_decode_without_copies_gives_views_of_a_writable_buffer() -> None:
+    buffer = bytearray(encode({"w": torch.zeros(4), "n": torch.arange(3)}))
+    shared = decode(buffer, copy=False)[0]
+    shared["w"].add_(1.0)
+    assert decode(bytes(buffer))[0]["w"].tolist() == [1.0] * 4  # the buffer itself changed
+    owned = decode(buffer)[0]
+    owned["w"].add_(1.0)
+    assert decode(bytes(buffer))[0]["w"].tolist() == [1.0] * 4
+
+
+def test_a_header_is_checked_once_per_process_and_a_refused_one_every_time() -> None:
+    data = encode(_model(), "int8")
+    parse(data)
+    hits = codecs._cached_layout.cache_info().hits
+    parse(encode(_model(2), "int8"))  # another update of the same model: the same header
+    assert codecs._cached_layout.cache_info().hits == hits + 1
+    bad = _raw({"a": q, "a:scale": torch.tensor([math.nan, 1.0])}, codec="int8", block_size="2")
+    for _ in range(2):
+        with pytest.raises(CodecError, match="non-finite"):
+            parse(bad)
+
+
+def test_quantizing_a_chunk_at_a_time_gives_the_padded_formulas_bits(blocks: int) -> None:
+    """The browser's encoder (tests/browser/test_codecs.py) and this one agree on the simple definition."""
+    x = torch.randn(12_345, generator=torch.Generator().manual_seed(3))
+    x[100:700] = 0.0  # all-zero blocks keep scale 0
+    padded = torch.cat([x, x.new_zeros((-x.numel()) % blocks)]).view(-1, blocks)
+    scale = padded.abs().amax(dim=1) / 127.0
+    q = torch.round(padded / torch.where(scale > 0, scale, 1.0)[:, None]).clamp_(-127, 127)
+    got_q, got_scale = codecs.quantize_int8(x, blocks)
+    assert torch.equal(got_scale, scale)
+    assert torch.equal(got_q, q.to(torch.int8).reshape(-1)[: x.numel()])

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from engine.aggregate import weighted_mean
-from engine.optim import outer_nesterov_step, sgd_step
+from engine.optim import outer_nesterov_step, server_step, server_step_, sgd_step, sgd_step_
 
 
 def _updates(n: int, seed: int = 0) -> list[dict[str, torch.Tensor]]:
@@ -83,3 +83,30 @@ def test_outer_nesterov_step() -> None:
         ours, state = outer_nesterov_step(ours, deltas, state, lr=0.7, momentum=0.9)
     for k in before:
         torch.testing.assert_close(ours[k], params[k].detach())
+
+
+@pytest.mark.parametrize("config", SGD_CONFIGS)
+def test_the_in_place_step_gives_exactly_the_pure_steps_numbers(config: dict[str, float]) -> None:
+    """The server steps the weights it owns in place (no second copy): the same numbers, bit for bit."""
+    pure, pure_state = dict(_updates(1, seed=42)[0]), dict[str, torch.Tensor]()
+    owned, owned_state = {k: v.clone() for k, v in pure.items()}, dict[str, torch.Tensor]()
+    for i in range(4):
+        grads = _updates(1, seed=i)[0]
+        pure, pure_state = sgd_step(pure, grads, pure_state, **config)  # type: ignore[arg-type]
+        sgd_step_(owned, {k: v.clone() for k, v in grads.items()}, owned_state, **config)  # type: ignore[arg-type]
+    assert all(torch.equal(pure[k], owned[k]) for k in pure)
+    assert pure_state.keys() == owned_state.keys()
+    assert all(torch.equal(pure_state[k], owned_state[k]) for k in pure_state)
+
+
+@pytest.mark.parametrize("averaging", [True, False])
+def test_the_in_place_server_step_is_the_server_step(averaging: bool) -> None:
+    rule = {"averaging": averaging, "lr": 0.7, "momentum": 0.9, "weight_decay": 0.01}
+    params, state = _updates(1, seed=5)[0], dict[str, torch.Tensor]()
+    owned, owned_state = {k: v.clone() for k, v in params.items()}, dict[str, torch.Tensor]()
+    for i in range(3):
+        update = _updates(1, seed=10 + i)[0]
+        params, state = server_step(params, update, state, **rule)  # type: ignore[arg-type]
+        server_step_(owned, {k: v.clone() for k, v in update.items()}, owned_state, **rule)  # type: ignore[arg-type]
+    assert all(torch.equal(params[k], owned[k]) for k in params)
+    assert all(torch.equal(state[k], owned_state[k]) for k in state)

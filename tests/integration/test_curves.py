@@ -127,7 +127,7 @@ def test_eta_for_a_loss_going_down_and_from_a_later_now() -> None:
 @pytest.mark.parametrize(
     ("points", "target", "reason"),
     [
-        (curve((0, 0.1), (10, 0.2)), 0.9, "Not enough data yet: 2 evaluation(s), 3 needed."),
+        (curve((0, 0.1), (10, 0.2)), 0.9, "Not enough data yet: 2 evaluations, 3 needed."),
         (curve((0, 0.5), (10, 0.4), (20, 0.3)), 0.9, "Not improving over the last 3 evaluations."),
         (curve((0, 0.5), (10, 0.5), (20, 0.5)), 0.9, "Not improving over the last 3 evaluations."),
         (curve((0, 0.1), (10, 0.2), (20, 0.3)), None, "No target is set for this project."),

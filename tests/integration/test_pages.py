@@ -144,8 +144,10 @@ def test_leaderboard_orders_volunteers_by_flops(client: Client, db: None) -> Non
     Volunteer.objects.create(user=User.objects.create_user("idle"))
 
     html = client.get("/leaderboard/").content.decode()
-    table = html[html.index('id="leaderboard"') :]
-    usernames = re.findall(r'<td class="username">(\w+)</td>', table)
+    table = html[html.index('id="leaderboard"') : html.index("</table>", html.index('id="leaderboard"'))]
+    usernames = re.findall(
+        r'<td class="username"><a href="/volunteers/\d+/certificate/">(\w+)</a></td>', table
+    )
     assert usernames == ["top", "mid", "low"]
     assert [int(v) for v in re.findall(r'data-flops="(\d+)"', table)] == [
         4_500_000_000_000,
@@ -153,6 +155,7 @@ def test_leaderboard_orders_volunteers_by_flops(client: Client, db: None) -> Non
         5_000,
     ]
     assert "4.5 TFLOP" in table and "1.23 GFLOP" in table and "GPU Gang" in table
+    assert "10.4" in table  # 4.5e12 FLOPs in credit (4.32e11 FLOPs each)
 
 
 @pytest.mark.parametrize(

@@ -14,6 +14,7 @@ from django.contrib.auth.models import User
 from django.db import connection, transaction
 from django.utils import timezone
 
+from engine import codecs
 from projects import lifecycle, tasks, training
 from projects.models import Dataset, ModelVersion, Project, Result, WorkUnit
 from projects.services import version_evaluate, version_weights, version_wire_weights
@@ -356,3 +357,105 @@ def test_only_buffers_an_op_trains_are_taken_from_volunteers(
     assert set(buffers) == {"bn.running_mean", "bn.running_var"}
     assert "loss:weight" not in params
     torch.testing.assert_close(buffers["bn.running_var"], torch.full((8,), 100.0))
+
+
+# --- each update decoded once: streamed into the round's sum (issue 15) -----------------------------------
+
+
+def _trusted(project: Project, *users: User) -> None:
+    Project.objects.filter(pk=project.pk).update(spot_check_rate=0.0)
+    project.refresh_from_db()
+    for user in users:
+        Volunteer.objects.create(user=user, consecutive_valid=project.trust_threshold)
+
+
+def test_a_round_checks_and_folds_each_int8_update_without_decoding_it(
+    mlp_project: Project, volunteer_user: User, other_volunteer: User, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Trusted volunteers' updates (no spot check): validation reads each blob once for its norm, training
+    folds it once into the round's sum, and no float copy of an update is ever made; the step is exact."""
+    _trusted(mlp_project, volunteer_user, other_volunteer)
+    v0 = version_weights(version=mlp_project.current_version())
+    calls: dict[str, int] = {"decode": 0, "sq_norm": 0, "add_to": 0}
+
+    def counted(name: str, original: Any) -> Any:
+        def count(*args: Any, **kwargs: Any) -> Any:
+            calls[name] += 1
+            return original(*args, **kwargs)
+
+        return count
+
+    monkeypatch.setattr(codecs, "dequantize_int8", counted("decode", codecs.dequantize_int8))
+    monkeypatch.setattr(codecs.Packed, "sq_norm", counted("sq_norm", codecs.Packed.sq_norm))
+    monkeypatch.setattr(codecs.Packed, "add_to", counted("add_to", codecs.Packed.add_to))
+    updates = round_of_two(mlp_project, (volunteer_user, other_volunteer))
+    assert mlp_project.current_version().number == 1
+    assert calls == {"decode": 0, "sq_norm": 2, "add_to": 2}
+
+    monkeypatch.undo()
+    sent = [(codecs.decode(codecs.encode(u, "int8"))[0], n) for u, n in updates]  # what the server got
+    expected = torch_step(v0, mean(sent), lr=0.1, momentum=0.9)
+    published = version_weights(version=mlp_project.current_version())
+    for name, value in expected.items():
+        torch.testing.assert_close(published[name], value, rtol=1e-6, atol=1e-7)
+
+
+def torch_steps(
+    weights: dict[str, torch.Tensor], grads: list[dict[str, torch.Tensor]]
+) -> dict[str, torch.Tensor]:
+    params = {k: torch.nn.Parameter(v.clone()) for k, v in weights.items()}
+    optimizer = torch.optim.SGD(params.values(), lr=0.1, momentum=0.9)
+    for grad in grads:
+        for name, param in params.items():
+            param.grad = grad[name]
+        optimizer.step()
+    return {k: v.detach() for k, v in params.items()}
+
+
+def test_the_next_step_changes_the_weights_this_process_published_in_place(
+    mlp_project: Project, volunteer_user: User, other_volunteer: User, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The weights and momentum a step publishes stay in memory for the next one (no re-reading 2 blobs);
+    another process's version, or a forgotten one, is read from its blobs: the same numbers either way."""
+    project = fp32(mlp_project)
+    v0 = version_weights(version=project.current_version())
+    reads: list[str] = []
+    read = training._read
+
+    def reading(*, blob: Any) -> Any:
+        reads.append(blob.sha256)
+        return read(blob=blob)
+
+    monkeypatch.setattr(training, "_read", reading)
+    rounds = [round_of_two(project, (volunteer_user, other_volunteer)) for _ in range(2)]
+    assert reads == [project.versions.get(number=0).weights_id]  # version 0 was published by project_start
+    training._published.clear()  # as if another worker published version 2
+    rounds.append(round_of_two(project, (volunteer_user, other_volunteer)))
+    v2 = project.versions.get(number=2)
+    assert reads[1:] == [v2.optimizer_state_id, v2.weights_id]
+    published = version_weights(version=project.current_version())
+    expected = torch_steps(v0, [mean(updates) for updates in rounds])
+    for name, value in expected.items():
+        torch.testing.assert_close(published[name], value, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("aggregator", ["median", "trimmed_mean", "mean"])
+def test_every_aggregator_combines_blobs_as_it_combines_decoded_updates(
+    mlp_project: Project, aggregator: str
+) -> None:
+    """Medians and trimmed means decode every update (they need them all at once); means stream them."""
+    Project.objects.filter(pk=mlp_project.pk).update(aggregator=aggregator)
+    mlp_project.refresh_from_db()
+    weights = version_weights(version=mlp_project.current_version())
+    g = torch.Generator().manual_seed(0)
+    updates = [{k: torch.randn(v.shape, generator=g) * 1e-2 for k, v in weights.items()} for _ in range(5)]
+    updates[2] = {k: v * 1e4 for k, v in updates[2].items()}  # one wild update
+    blobs = [codecs.encode(u, "int8") for u in updates]
+    streamed, _ = training._combine(
+        project=mlp_project, updates=(codecs.parse(b) for b in blobs), weights=[50.0] * 5
+    )
+    decoded = [codecs.decode(b)[0] for b in blobs]
+    expected = training._aggregate(project=mlp_project, updates=decoded, weights=[50.0] * 5)
+    for name, value in expected.items():
+        torch.testing.assert_close(streamed[name], value, rtol=1e-6, atol=1e-6)
+    assert (float(streamed["fc1.weight"].abs().max()) < 1.0) == (aggregator != "mean")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import threading
 from typing import Any
 
@@ -9,6 +10,7 @@ import pytest
 import torch
 from django.contrib.auth.models import User
 from django.db import connection, transaction
+from safetensors.torch import save as st_save
 
 from engine import codecs
 from projects import validation
@@ -279,3 +281,60 @@ def test_a_zero_update_matches_a_zero_reference_in_the_statistical_check() -> No
     some = {"w": torch.ones(3, 2), "b": torch.zeros(2)}
     problem = validation._statistical_problem(update=some, reference=zero, against="the server")
     assert problem == "does not match the server (which is zero: nothing scored)"
+
+
+# --- read, not decoded: hostile blobs are still refused (issue 15) ---------------------------------------
+
+
+def _int8_blob(update: dict[str, torch.Tensor], **scales: float) -> bytes:
+    """`update` as int8 blocks of 256, the first block scale of the tensors named replaced."""
+    raw: dict[str, torch.Tensor] = {}
+    for name, value in update.items():
+        q, scale = codecs.quantize_int8(value, 256)
+        if name in scales:
+            q, scale = torch.full_like(q, 127), torch.full_like(scale, scales[name])
+        raw[name], raw[name + ":scale"] = q, scale
+    return bytes(st_save(raw, metadata={"codec": "int8", "block_size": "256"}))
+
+
+@pytest.mark.parametrize(
+    ("how", "reason"),
+    [
+        ("a scale so large the values overflow", "contains NaN or infinite values"),
+        ("a NaN scale", "undecodable update: tensor 'fc1.weight': non-finite scales"),
+        ("bytes after the tensors", "undecodable update: the tensors' data ends at byte"),
+        ("an integer tensor", "is not a float tensor"),
+    ],
+)
+def test_a_trusted_volunteers_hostile_blob_is_refused_without_being_decoded(
+    mlp_project: Project, volunteer_user: User, how: str, reason: str
+) -> None:
+    """Not spot-checked, an update is only read (codecs.Packed), never decoded: its checks still hold."""
+    Project.objects.filter(pk=mlp_project.pk).update(spot_check_rate=0.0)
+    Volunteer.objects.create(user=volunteer_user, consecutive_valid=mlp_project.trust_threshold)
+    result = assign(volunteer_user)
+    update = recompute(work_unit=result.work_unit)
+    if how == "a scale so large the values overflow":
+        payload = _int8_blob(update, **{"fc1.weight": 3e38})
+    elif how == "a NaN scale":
+        payload = _int8_blob(update, **{"fc1.weight": math.nan})
+    elif how == "bytes after the tensors":
+        payload = _int8_blob(update) + b"\0\0\0\0"
+    else:
+        payload = codecs.encode(
+            {**update, "fc1.bias": torch.zeros(update["fc1.bias"].shape, dtype=torch.int32)}, "int8"
+        )
+    outcome = receive(volunteer_user, result, payload)
+    assert outcome.status == "invalid" and reason in outcome.reason, outcome.reason
+    assert not judged(result).spot_checked
+
+
+def test_the_norm_read_from_int8_values_is_the_decoded_updates(
+    mlp_project: Project, volunteer_user: User
+) -> None:
+    result = assign(volunteer_user)
+    payload = honest_update(result.work_unit)
+    assert receive(volunteer_user, result, payload).status == "valid"
+    decoded = codecs.decode(payload)[0]
+    exact = math.sqrt(sum(float((value.double() ** 2).sum()) for value in decoded.values()))
+    assert math.isclose(judged(result).update_norm or 0.0, exact, rel_tol=1e-6)

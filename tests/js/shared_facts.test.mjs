@@ -173,9 +173,16 @@ function contributePage({ storedId = null } = {}) {
   });
   const elements = new Map();
   const document = {
+    title: "Contribute", hidden: false, addEventListener() {},
     getElementById: (id) => elements.get(id) || elements.set(id, element()).get(id),
     createElement: () => element(),
   };
+  // The template's translated texts (frontend/contribute_page.py), those these tests read.
+  document.getElementById("contribute-strings").textContent = JSON.stringify({
+    status_reconnecting: "%(why)s, retrying in %(seconds)s s…", throttled: "Too many connections",
+    connection_lost: "Connection lost", log_unknown_type: "unknown message type %(type)s",
+    log_bad_message: "bad server message: %(error)s",
+  });
   class Worker { constructor() { page.workers.push(this); } postMessage() {} terminate() {} }
   class WebSocket {
     static OPEN = 1;

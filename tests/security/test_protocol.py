@@ -244,7 +244,7 @@ def test_an_unexpected_exception_is_answered_logged_once_and_cleanup_still_runs(
     """Fault injection: a bug while building the reply to `ready`, after the work unit was handed out."""
     from workers import protocol
 
-    def broken(result: Result) -> dict[str, Any]:
+    def broken(result: Result, **why: Any) -> dict[str, Any]:
         raise RuntimeError("a bug")
 
     async def scenario() -> None:

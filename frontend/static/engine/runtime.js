@@ -298,10 +298,12 @@
     fn(x, a.dims.length ? a.dims.map((d) => axis(d, x.rank)) : null, a.keepdim);
 
   // torch's dropout (noise null) and dropout2d (one draw per sample and channel: noise [N, C, 1, ...], or
-  // [N, 1, 1, C] channels last). tf.dropout refuses p = 1, where torch zeroes everything.
+  // [N, 1, 1, C] channels last). tf.dropout refuses p = 1, where torch zeroes everything. ctx.seed (run's
+  // seed and the node's name) makes the masks reproducible: TF.js draws them on the CPU with seedrandom's
+  // alea, so a seed gives the same masks on every backend (but not torch's: docs/pipeline.md).
   function dropoutWith(x, p, ctx, noise) {
     if (!ctx.training || p === 0) return x;
-    return p === 1 ? tf.mul(x, 0) : tf.dropout(x, p, noise);
+    return p === 1 ? tf.mul(x, 0) : tf.dropout(x, p, noise, ctx.seed);
   }
 
   const dropout2dAt = ([x], a, ctx, channel) =>
@@ -536,7 +538,9 @@
 
   // feeds: {name: tf.Tensor} for graph inputs and (optionally) targets. Returns {output, loss, updates}
   // where updates are new buffer values the caller applies (see applyUpdates) once gradients are done.
-  function run(model, feeds, training) {
+  // seed (optional): dropout masks drawn from it, so that a pipeline stage's backward unit recomputes
+  // its forward unit's masks; without one they are random.
+  function run(model, feeds, training, seed) {
     const env = new Map([...Object.entries(model.params), ...Object.entries(model.buffers), ...Object.entries(feeds)]);
     const nhwc = new Map(); // name -> the same value, channels last
     const get = (name) => {
@@ -549,7 +553,8 @@
     };
     const updates = [];
     for (const node of model.graph.nodes) {
-      const ctx = { training, node, update: (name, value) => updates.push([name, value]) };
+      const ctx = { training, node, update: (name, value) => updates.push([name, value]),
+        seed: seed === undefined || seed === null ? undefined : `${seed}:${node.name}` };
       const kernel = nhwcKernel(node, nhwc);
       const channelsLast = (i) => kernel && (i === 0 || BINARY.has(node.op));
       const args = node.inputs.map((name, i) => (name === null ? null : channelsLast(i) ? getNHWC(name) : get(name)));
@@ -570,17 +575,30 @@
     }
   }
 
-  // Forward pass (and loss when targets are fed). Returned tensors belong to the caller.
-  function forward(model, feeds, { training = false } = {}) {
+  // Forward pass (and loss when targets are fed). Returned tensors belong to the caller. With
+  // update: false the model's buffers stay as they are and the new values come back as `buffers`
+  // ({name: tf.Tensor}): a pipeline forward unit reports them and leaves the cached model unchanged.
+  function forward(model, feeds, { training = false, seed, update = true } = {}) {
     let updates = [];
     const result = tf.tidy(() => {
-      const r = run(model, feeds, training);
+      const r = run(model, feeds, training, seed);
       updates = r.updates;
       updates.forEach(([, t]) => tf.keep(t));
       return r.loss ? { output: r.output, loss: r.loss } : { output: r.output };
     });
-    applyUpdates(model, updates);
+    if (update) applyUpdates(model, updates);
+    else result.buffers = lastUpdates(updates);
     return result;
+  }
+
+  // {name: the last value given}; earlier values of the same buffer are disposed.
+  function lastUpdates(updates) {
+    const out = {};
+    for (const [name, value] of updates) {
+      if (out[name]) out[name].dispose();
+      out[name] = value;
+    }
+    return out;
   }
 
   // Gradient of the mean loss w.r.t. every param: {loss: scalar tf.Tensor, grads: {name: tf.Tensor}}.
@@ -601,5 +619,38 @@
     return { loss: value, grads: named };
   }
 
-  ns.runtime = { createModel, forward, gradients, OPS, LOSSES };
+  // The vector-Jacobian product of a pipeline stage's backward unit (pipeline.js): backpropagates `dy`, the
+  // gradient of the output (or with fromLoss, of the loss: a scalar, the micro-batch's loss scale), to every
+  // param and to the feeds named in `wrt`. Returns {value: the output (or the unscaled loss), grads: {param},
+  // inputGrads: {feed}}, zeros where nothing flows. Buffer updates are dropped: a backward unit reports none.
+  // tf.variableGrads takes no dy, so this is the engine's own gradients(), which variableGrads wraps.
+  function backpropagate(model, feeds, dy, { fromLoss = false, wrt = [], training = true, seed } = {}) {
+    const names = Object.keys(model.params);
+    const xs = [...names.map((n) => model.params[n]), ...wrt.map((n) => feeds[n])];
+    let updates = [];
+    const f = () => {
+      const r = run(model, feeds, training, seed);
+      updates = r.updates.map(([, t]) => tf.keep(t)); // f runs inside a tidy
+      const y = fromLoss ? r.loss : r.output;
+      if (!y) throw new Error("backpropagate: the loss needs the graph's targets");
+      if (y.rank !== dy.rank || y.shape.some((d, i) => d !== dy.shape[i])) {
+        throw new Error(`backpropagate: dy has shape [${dy.shape}], the ${fromLoss ? "loss" : "output"} [${y.shape}]`);
+      }
+      return y;
+    };
+    let result;
+    try {
+      result = xs.length ? tf.engine().gradients(f, xs, dy, true) : { value: tf.tidy(f), grads: [] };
+    } finally {
+      tf.dispose(updates);
+    }
+    const { value, grads } = result;
+    const gradOf = (i) => grads[i] || tf.zerosLike(xs[i]);
+    const named = {}, inputGrads = {};
+    names.forEach((n, i) => { named[n] = gradOf(i); });
+    wrt.forEach((n, i) => { inputGrads[n] = gradOf(names.length + i); });
+    return { value, grads: named, inputGrads };
+  }
+
+  ns.runtime = { createModel, forward, gradients, backpropagate, OPS, LOSSES };
 })((self.crowdtrain = self.crowdtrain || {}));

@@ -580,16 +580,35 @@
       "ready",
       "progress",
       "result",
+      "release",
       "bye"
     ],
     "server_messages": [
       "welcome",
+      "preferences",
       "assign",
       "cancel",
       "ack",
       "credit",
       "idle",
       "error"
+    ],
+    "preferences": {
+      "duty_cycle_percent": [
+        10,
+        100
+      ]
+    },
+    "assign_why": [
+      "choice",
+      "share",
+      "only"
+    ],
+    "idle_reasons": [
+      "no_work",
+      "download_limit",
+      "too_large",
+      "backoff"
     ],
     "close_codes": {
       "unauthenticated": 4401,

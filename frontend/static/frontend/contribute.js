@@ -2,6 +2,10 @@
 // Prefetch: while the worker computes one work unit, a second `ready` asks for the next, so it (and its
 // blobs, which the worker starts downloading at once) is waiting when the first finishes. The protocol
 // allows at most MAX_IN_FLIGHT work units per connection.
+// Computing preferences (from `welcome`, and live from `preferences`): the worker rests between units for
+// the duty cycle; this page pauses it while the tab is hidden, on battery, or while the volunteer uses the
+// page, and gives back (`release`) work it has not started when a pause lasts. Every text shown comes from
+// the template's #contribute-strings (translated there).
 (function () {
   "use strict";
 
@@ -21,21 +25,58 @@
   const MAX_IN_FLIGHT = PROTOCOL.max_in_flight;
   const DEVICE_ID_RE = new RegExp(PROTOCOL.device_id_pattern);
   const SHARE_REFRESH_MS = 5000;
+  const INPUT_PAUSE_MS = 3000; // "pause while I use the page": this long after the last input
+  const RELEASE_AFTER_MS = 10000; // a pause this long gives back the work units not started
+  const ASK_BEFORE_REST_ENDS_MS = 3000; // resting: ask for the next unit this long before the rest ends
+  const MAX_STEPS = 200;
+  const INPUT_EVENTS = ["keydown", "mousemove", "pointerdown", "wheel", "touchstart"];
   const FLOP_UNITS = ["FLOP", "kFLOP", "MFLOP", "GFLOP", "TFLOP", "PFLOP", "EFLOP", "ZFLOP", "YFLOP"];
+  const DEFAULT_PREFERENCES = {
+    duty_cycle: 100, pause_when_hidden: true, pause_on_battery: true, battery_min_percent: 0,
+    pause_while_active: false, source: "default", limits: {},
+  };
+  const STRINGS = readStrings();
+  const PAGE_TITLE = document.title;
 
+  let battery = null; // navigator.getBattery()'s manager, where the browser has one
+  let lastInput = -Infinity;
+  let inputTimer = null;
   let s = freshState();
 
   function freshState() {
     return {
       running: false, worker: null, socket: null, device: null, retries: 0, reconnectTimer: null,
       inFlight: new Map(), // id -> work unit given to the worker, result not yet sent (oldest first)
+      started: new Set(), // ids the worker has started computing
+      computing: null, // the id being computed
       asking: false, // a `ready` not yet answered by an assign (after `idle` the server still owes one)
       cancelled: new Set(), // ids whose late results must be dropped
       outbox: [], // finished results waiting for the socket to come back
       unacked: new Map(), // id -> result sent on this connection, kept until acked (resent on `busy`)
       done: 0, rate: 0,
       engineSince: null, computeMs: 0, shareTimer: null, // for the share of time spent computing
+      preferences: DEFAULT_PREFERENCES,
+      pause: null, pausedSince: null, releaseTimer: null, // why the worker is paused, since when
+      restUntil: 0, restTimer: null, askTimer: null, // the duty cycle's rest (this page's clock)
+      idle: null, // the reason of the latest `idle`, until work comes
+      project: null, // the latest work unit's project {id, name, why}
+      steps: [], // the worker's own {work_unit, start, end} of each unit, for the volunteer's (and tests') eyes
     };
+  }
+
+  // ---- texts -----------------------------------------------------------------------------------------
+  function readStrings() {
+    const element = $("contribute-strings");
+    try { return JSON.parse((element && element.textContent) || "{}"); } catch (err) { return {}; }
+  }
+
+  // The template's text for `key`, with %(name)s replaced by params.name and %% by %.
+  function t(key, params) {
+    const text = Object.prototype.hasOwnProperty.call(STRINGS, key) ? STRINGS[key] : key;
+    return text.replace(/%(?:\((\w+)\)s|%)/g, (match, name) => {
+      if (!name) return "%"; // %% as in Python's format
+      return params && name in params ? String(params[name]) : match;
+    });
   }
 
   // ---- display ---------------------------------------------------------------------------------
@@ -47,20 +88,28 @@
     return `${value < 0 ? "-" : ""}${digits} ${FLOP_UNITS[unit]}`;
   }
 
-  function setCredit(flops) {
-    const el = $("credit");
+  function setFlops(id, flops) {
+    const el = $(id);
     el.dataset.flops = BigInt(Math.round(flops)).toString(); // no 1e+21 notation for big totals
     el.textContent = formatFlops(flops);
   }
 
   // Acks and verdicts may cross on the wire; the total only ever grows.
   function raiseCredit(total) {
-    if (total !== undefined && total >= Number($("credit").dataset.flops || 0)) setCredit(total);
+    if (total !== undefined && total >= Number($("credit").dataset.flops || 0)) setFlops("credit", total);
+  }
+
+  function addCreditToday(flops) {
+    if (flops > 0) setFlops("credit-today", Number($("credit-today").dataset.flops || 0) + flops);
   }
 
   function setStatus(text, state) {
     $("status").textContent = text;
     $("status-dot").dataset.state = state || "idle";
+  }
+
+  function setTitle(text) {
+    document.title = text || PAGE_TITLE;
   }
 
   function log(text, isError) {
@@ -89,21 +138,140 @@
   }
 
   // Share of the time since the engine started that the device spent computing: with prefetch it should
-  // stay near 100 % while there is work (downloads overlap computing).
+  // stay near 100 % while there is work (downloads overlap computing), near the duty cycle when throttled.
   function showComputeShare() {
     if (s.engineSince === null) return;
     const elapsed = performance.now() - s.engineSince;
     if (elapsed > 0) $("compute-share").textContent = `${Math.min(100, Math.round((100 * s.computeMs) / elapsed))} %`;
   }
 
-  // Status line for the oldest unit in flight: the one the worker is computing.
+  function showProject() {
+    if (!s.project) return;
+    $("project").textContent = s.project.name;
+    $("project-why").textContent = s.project.why ? t(`why_${s.project.why}`) : "";
+  }
+
+  function showPause(reason, text) {
+    const el = $("pause-reason");
+    el.hidden = !reason;
+    el.dataset.reason = reason || "";
+    el.textContent = text || "";
+  }
+
+  // Status line, pause line and tab title, from the state: paused, resting, computing, waiting or idle.
   function showWork() {
-    const wu = s.inFlight.values().next().value;
-    if (!wu) { setStatus("Waiting for work…", "waiting"); return; }
-    $("project").textContent = wu.project.name;
-    const samples = wu.shards.reduce((n, shard) => n + shard.count, 0);
-    const next = s.inFlight.size > 1 ? " (next one ready)" : "";
-    setStatus(`Training ${wu.project.name}: ${samples} samples…${next}`, "working");
+    if (!s.running) return;
+    const resting = s.computing === null && s.restUntil > performance.now();
+    const reason = s.pause || (resting ? "throttle" : null) || (s.inFlight.size ? null : s.idle);
+    const wu = s.inFlight.get(s.computing) || s.inFlight.values().next().value;
+    showPause(reason, reason && t(`pause_${reason}`, { percent: s.preferences.duty_cycle, ...s.preferences.limits }));
+    if (reason) {
+      setStatus(t(`status_${reason}`, { percent: s.preferences.duty_cycle }), "paused");
+      setTitle(t("title_paused", { reason: t(`short_${reason}`) }));
+    } else if (wu) {
+      const samples = wu.shards.reduce((n, shard) => n + shard.count, 0);
+      const next = s.inFlight.size > 1 ? t("next_ready") : "";
+      setStatus(t("status_training", { project: wu.project.name, samples, next }), "working");
+      setTitle(t("title_training", { project: wu.project.name }));
+    } else {
+      setStatus(t("status_waiting"), "waiting");
+      setTitle(t("title_waiting"));
+    }
+  }
+
+  function showPreferences() {
+    const p = s.preferences;
+    const parts = [t(p.duty_cycle < 100 ? "pref_duty" : "pref_full", { percent: p.duty_cycle })];
+    if (p.pause_when_hidden) parts.push(t("pref_hidden"));
+    if (p.pause_on_battery) parts.push(t("pref_battery"));
+    if (p.battery_min_percent > 0) parts.push(t("pref_battery_min", { percent: p.battery_min_percent }));
+    if (p.pause_while_active) parts.push(t("pref_active"));
+    const limits = p.limits || {};
+    if (limits.projects && limits.projects !== "any") parts.push(t(`pref_projects_${limits.projects}`));
+    if (limits.max_work_unit_mb) parts.push(t("pref_work_unit", { mb: limits.max_work_unit_mb }));
+    if (limits.max_download_mb_per_day) parts.push(t("pref_download", { mb: limits.max_download_mb_per_day }));
+    $("preferences-summary").textContent = parts.join(" · ");
+    $("preferences-source").textContent = t(`source_${p.source || "default"}`);
+  }
+
+  // ---- preferences: pauses and the duty cycle ------------------------------------------------------
+  function pauseReason() {
+    const p = s.preferences;
+    if (p.pause_when_hidden && document.hidden) return "hidden";
+    if (battery && p.pause_on_battery && !battery.charging) return "battery";
+    if (battery && p.battery_min_percent > 0 && battery.level * 100 < p.battery_min_percent) return "battery_low";
+    if (p.pause_while_active && performance.now() - lastInput < INPUT_PAUSE_MS) return "active";
+    return null;
+  }
+
+  // Tells the worker when the reason to pause changes; a pause that lasts gives unstarted work back.
+  function applyPause() {
+    if (!s.running || !s.worker) return;
+    const reason = pauseReason();
+    clearTimeout(inputTimer);
+    if (reason === "active") inputTimer = setTimeout(applyPause, lastInput + INPUT_PAUSE_MS - performance.now() + 20);
+    if (reason !== s.pause) {
+      const was = s.pause;
+      s.pause = reason;
+      if (!reason || !was) s.worker.postMessage({ cmd: reason ? "pause" : "resume" });
+      if (!was) {
+        s.pausedSince = performance.now();
+        s.releaseTimer = setTimeout(releaseUnstarted, RELEASE_AFTER_MS);
+      }
+      if (!reason) {
+        clearTimeout(s.releaseTimer);
+        s.pausedSince = null;
+        log(t("log_resumed"));
+        askForWork();
+      } else {
+        log(t("log_paused", { reason: t(`short_${reason}`) }));
+      }
+    }
+    showWork();
+  }
+
+  function releaseUnstarted() {
+    const ids = [...s.inFlight.keys()].filter((id) => !s.started.has(id));
+    if (!s.pause || !ids.length) return;
+    for (const id of ids) {
+      s.inFlight.delete(id);
+      s.cancelled.add(id);
+      s.worker.postMessage({ cmd: "cancel", work_unit: id });
+    }
+    if (send({ type: "release", work_units: ids })) log(t("log_released", { ids: ids.join(", ") }));
+    showWork();
+  }
+
+  // Cheap on every mouse move: only the first input of a pause changes anything; the check that ends the
+  // pause (applyPause) looks again at the latest input when it comes.
+  function onInput() {
+    lastInput = performance.now();
+    if (s.running && s.preferences.pause_while_active && s.pause !== "active") applyPause();
+  }
+
+  function applyPreferences(preferences) {
+    s.preferences = { ...DEFAULT_PREFERENCES, ...preferences };
+    if (s.worker) s.worker.postMessage({ cmd: "duty", percent: s.preferences.duty_cycle });
+    showPreferences();
+    applyPause();
+  }
+
+  // The worker rests `ms` from now before its next unit (the duty cycle).
+  function resting(ms) {
+    s.restUntil = performance.now() + ms;
+    clearTimeout(s.restTimer);
+    if (ms > 0) s.restTimer = setTimeout(showWork, ms + 20);
+    showWork();
+  }
+
+  function watchBattery() {
+    if (!navigator.getBattery) return; // Firefox and Safari: the battery preferences cannot apply
+    navigator.getBattery().then((manager) => {
+      battery = manager;
+      manager.addEventListener("chargingchange", applyPause);
+      manager.addEventListener("levelchange", applyPause);
+      applyPause();
+    }).catch(() => {});
   }
 
   // ---- device id ---------------------------------------------------------------------------------
@@ -134,9 +302,16 @@
     return false;
   }
 
-  // One `ready` outstanding at a time, and never more than MAX_IN_FLIGHT units assigned.
+  // One `ready` outstanding at a time, and never more than MAX_IN_FLIGHT units assigned. Not while paused.
+  // Throttled, no prefetch: the next unit is asked for shortly before the rest ends, so that it does not
+  // wait out a long rest (and its deadline) on this device.
   function askForWork() {
-    if (!s.running || s.asking || s.outbox.length || s.inFlight.size >= MAX_IN_FLIGHT) return;
+    if (!s.running || s.asking || s.pause || s.outbox.length) return;
+    const throttled = s.preferences.duty_cycle < 100;
+    if (s.inFlight.size >= (throttled ? 1 : MAX_IN_FLIGHT)) return;
+    const wait = s.restUntil - ASK_BEFORE_REST_ENDS_MS - performance.now();
+    clearTimeout(s.askTimer);
+    if (wait > 0) { s.askTimer = setTimeout(askForWork, wait); return; }
     if (send({ type: "ready" })) s.asking = true;
   }
 
@@ -152,11 +327,11 @@
       send({ type: "hello", protocol: PROTOCOL.version, device: s.device });
       flushOutbox();
       askForWork();
-      setStatus("Connected, asking for work…", "waiting");
+      setStatus(t("status_connected"), "waiting");
     };
     socket.onmessage = (event) => {
       if (typeof event.data !== "string") return; // the server sends no binary frames to volunteers
-      try { onServerMessage(JSON.parse(event.data)); } catch (err) { log(`bad server message: ${err.message}`, true); }
+      try { onServerMessage(JSON.parse(event.data)); } catch (err) { log(t("log_bad_message", { error: err.message }), true); }
     };
     socket.onclose = (event) => { if (s.socket === socket) reconnectLater(event.code); };
   }
@@ -168,8 +343,8 @@
     const base = throttled ? THROTTLED_MS : BACKOFF_MS[Math.min(s.retries, BACKOFF_MS.length - 1)];
     const delay = base * (0.75 + Math.random() / 2);
     s.retries++;
-    const why = throttled ? "Too many connections" : "Connection lost";
-    setStatus(`${why}, retrying in ${Math.round(delay / 1000)} s…`, "error");
+    const why = t(throttled ? "throttled" : "connection_lost");
+    setStatus(t("status_reconnecting", { why, seconds: Math.round(delay / 1000) }), "error");
     s.reconnectTimer = setTimeout(connect, delay);
   }
 
@@ -177,9 +352,9 @@
   function flushOutbox() {
     while (s.outbox.length && s.socket && s.socket.readyState === WebSocket.OPEN) {
       const item = s.outbox.shift();
-      const { bytes, type, ...fields } = item;
-      send({ type: "result", ...fields });
-      s.socket.send(bytes);
+      const { work_unit, model_version, samples, loss, timings } = item;
+      send({ type: "result", work_unit, model_version, samples, loss, timings });
+      s.socket.send(item.bytes);
       s.unacked.set(item.work_unit, item);
     }
   }
@@ -198,15 +373,25 @@
 
   const handlers = {
     welcome(msg) {
-      if (msg.volunteer) setCredit(msg.volunteer.credit_flops || 0);
-      log(`connected as ${msg.volunteer ? msg.volunteer.username : "volunteer"}`);
+      if (msg.volunteer) setFlops("credit", msg.volunteer.credit_flops || 0);
+      log(t("log_connected", { username: msg.volunteer ? msg.volunteer.username : "" }));
+      if (msg.preferences) applyPreferences(msg.preferences);
+    },
+    preferences(msg) {
+      applyPreferences(msg.preferences);
+      log(t("log_preferences"));
+      askForWork();
     },
     assign(msg) {
       const wu = msg.work_unit;
       s.asking = false;
+      s.idle = null;
       s.inFlight.set(wu.id, wu);
+      s.project = wu.project;
       s.worker.postMessage({ cmd: "compute", assign: wu });
+      showProject();
       showWork();
+      if (s.pause && performance.now() - s.pausedSince >= RELEASE_AFTER_MS) releaseUnstarted();
       askForWork(); // prefetch the next one while this one computes
     },
     // Works for the unit being computed (its late result is dropped) and for a prefetched one (the
@@ -216,7 +401,7 @@
         if (!s.inFlight.delete(id)) continue;
         s.cancelled.add(id);
         s.worker.postMessage({ cmd: "cancel", work_unit: id });
-        log(`work unit ${id} cancelled (${msg.reason || "no reason"})`);
+        log(t("log_cancelled", { id, reason: msg.reason || t("no_reason") }));
       }
       showWork();
       askForWork();
@@ -226,33 +411,38 @@
       if (msg.accepted) {
         s.done++;
         $("work-units-done").textContent = String(s.done);
-        log(`work unit ${msg.work_unit} uploaded (${msg.status || "accepted"})`);
+        log(t("log_uploaded", { id: msg.work_unit, status: msg.status || t("accepted") }));
       } else {
-        log(`work unit ${msg.work_unit} not used: ${msg.reason || msg.status || "no reason"}`, true);
+        log(t("log_not_used", { id: msg.work_unit, reason: msg.reason || msg.status || t("no_reason") }), true);
       }
       raiseCredit(msg.total_credit_flops);
     },
     // The verdict arrives once the server has validated the update (see docs/protocol.md).
     credit(msg) {
-      if (msg.status === "valid") log(`work unit ${msg.work_unit} validated: +${formatFlops(msg.credit_flops)}`);
-      else log(`work unit ${msg.work_unit} ${msg.status}: ${msg.reason || "no reason"}`, true);
+      if (msg.status === "valid") {
+        log(t("log_validated", { id: msg.work_unit, credit: formatFlops(msg.credit_flops) }));
+        addCreditToday(msg.credit_flops);
+      } else {
+        log(t("log_verdict", { id: msg.work_unit, status: msg.status, reason: msg.reason || t("no_reason") }), true);
+      }
       raiseCredit(msg.total_credit_flops);
     },
-    idle() {
-      if (!s.inFlight.size) setStatus("Waiting for work…", "waiting");
+    idle(msg) {
+      s.idle = PROTOCOL.idle_reasons.includes(msg.reason) ? msg.reason : "no_work";
+      showWork();
     },
     error(msg) {
       if (msg.code === "busy" && msg.work_unit !== undefined) resendLater(msg.work_unit); // a result
       else if (msg.code === "busy") s.asking = false; // that `ready` was refused, not queued
       else if (msg.work_unit !== undefined) s.unacked.delete(msg.work_unit); // refused for good
-      log(`server error ${msg.code}: ${msg.message}`, true);
+      log(t("log_server_error", { code: msg.code, message: msg.message }), true);
     },
   };
 
   function onServerMessage(msg) {
     const handler = handlers[msg.type];
     if (handler) handler(msg);
-    else log(`unknown message type ${msg.type}`, true);
+    else log(t("log_unknown_type", { type: msg.type }), true);
   }
 
   // ---- worker ------------------------------------------------------------------------------------
@@ -260,34 +450,48 @@
     const msg = event.data;
     if (msg.type === "ready") onEngineReady(msg);
     else if (msg.type === "init_failed") {
-      log(`could not start the engine: ${msg.error}`, true);
+      log(t("log_engine_failed", { error: msg.error }), true);
       stop();
-      setStatus("This browser cannot run the engine.", "error");
+      setStatus(t("status_unsupported"), "error");
+    } else if (msg.type === "started") {
+      s.started.add(msg.work_unit);
+      s.computing = msg.work_unit;
+      showWork();
+    } else if (msg.type === "rest") {
+      resting(msg.ms);
+      askForWork();
     } else onWorkUnitMessage(msg);
   }
 
   function onEngineReady(msg) {
     s.device = { id: deviceId(), backend: msg.backend, gflops: msg.gflops, user_agent: navigator.userAgent };
     if (navigator.deviceMemory) s.device.memory_mb = navigator.deviceMemory * 1024; // Chrome only
-    $("backend").textContent = `${msg.backend} · ${msg.gflops} GFLOP/s`;
-    log(`engine ready on ${msg.backend} (${msg.gflops} GFLOP/s)`);
-    setStatus("Connecting…", "waiting");
+    $("speed").textContent = `${msg.gflops} GFLOP/s`;
+    $("backend").textContent = t("speed_note", { backend: msg.backend });
+    log(t("log_engine_ready", { backend: msg.backend, gflops: msg.gflops }));
+    setStatus(t("status_connecting"), "waiting");
     s.engineSince = performance.now();
     s.shareTimer = setInterval(showComputeShare, SHARE_REFRESH_MS);
     connect();
   }
 
   function onWorkUnitMessage(msg) {
+    s.started.delete(msg.work_unit);
+    if (s.computing === msg.work_unit) s.computing = null;
     if (msg.type === "result") { // cancelled or not, the device spent this time computing
       s.computeMs += msg.timings.compute_ms;
+      s.steps.push({ work_unit: msg.work_unit, ...msg.step });
+      if (s.steps.length > MAX_STEPS) s.steps.shift();
+      resting(msg.rest_ms || 0);
       showComputeShare();
     }
     if (s.cancelled.delete(msg.work_unit)) {
       // Late result (or skip notice) of cancelled work: drop it. Its slot was freed at cancel time.
+      showWork();
     } else if (msg.type === "result") {
       onResult(msg);
     } else if (msg.type === "failed") {
-      log(`work unit ${msg.work_unit} failed: ${msg.error}`, true);
+      log(t("log_failed", { id: msg.work_unit, error: msg.error }), true);
       s.inFlight.delete(msg.work_unit);
       showWork();
       setTimeout(askForWork, 2000); // don't spin if every unit fails the same way
@@ -298,8 +502,10 @@
     s.inFlight.delete(msg.work_unit);
     showWork();
     updateRate(msg);
-    log(`work unit ${msg.work_unit}: ${msg.samples} samples, loss ${msg.loss.toFixed(4)}, ` +
-      `${msg.timings.compute_ms} ms compute, ${msg.timings.download_ms} ms download`);
+    log(t("log_result", {
+      id: msg.work_unit, samples: msg.samples, loss: msg.loss.toFixed(4),
+      compute: msg.timings.compute_ms, download: msg.timings.download_ms,
+    }));
     s.outbox.push(msg);
     flushOutbox();
     askForWork();
@@ -311,17 +517,18 @@
     s = freshState();
     s.running = true;
     setRunning(true);
-    setStatus("Starting the engine (benchmarking your device)…", "waiting");
+    setStatus(t("status_starting"), "waiting");
     s.worker = new Worker(WORKER_URL);
     s.worker.onmessage = onWorkerMessage;
-    s.worker.onerror = (event) => { log(`engine crashed: ${event.message}`, true); stop(); };
+    s.worker.onerror = (event) => { log(t("log_engine_crashed", { error: event.message }), true); stop(); };
     s.worker.postMessage({ cmd: "init" });
+    applyPause();
   }
 
   function stop() {
     if (!s.running) return;
     s.running = false;
-    clearTimeout(s.reconnectTimer);
+    for (const timer of [s.reconnectTimer, s.releaseTimer, s.restTimer, s.askTimer]) clearTimeout(timer);
     clearInterval(s.shareTimer);
     if (s.socket) {
       send({ type: "bye" });
@@ -332,11 +539,19 @@
     if (s.worker) s.worker.terminate();
     s.worker = null;
     setRunning(false);
-    setStatus("Stopped.", "idle");
-    log("stopped");
+    setStatus(t("status_stopped"), "idle");
+    showPause(null);
+    setTitle(null);
+    log(t("log_stopped"));
   }
+
+  // For the volunteer's console and the browser tests: the worker's own timestamps of each unit.
+  self.crowdtrainContribute = { steps: () => s.steps.slice(), state: () => ({ pause: s.pause, idle: s.idle }) };
 
   $("contribute").addEventListener("click", start);
   $("stop").addEventListener("click", stop);
   window.addEventListener("pagehide", stop);
+  document.addEventListener("visibilitychange", applyPause);
+  for (const type of INPUT_EVENTS) document.addEventListener(type, onInput, { passive: true });
+  watchBattery();
 })();

@@ -5,6 +5,7 @@
 (function () {
   const page = document.getElementById("project-page");
   const format = window.crowdtrainFormat;
+  const text = format.text; // the page's #project-text, in the page's language (charts.js reads it)
   let live = JSON.parse(document.getElementById("project-live-data").textContent);
   let charts = null;
 
@@ -31,24 +32,37 @@
     if (element && element.textContent !== text) element.textContent = text;
   }
 
+  const lang = document.documentElement.lang || undefined;
+
+  /* One decimal, with the page's decimal separator (as Django's floatformat renders the first state). */
+  function oneDecimal(value) {
+    return value.toLocaleString(lang, { minimumFractionDigits: 1, maximumFractionDigits: 1 });
+  }
+
   function percent(value) {
-    return value === undefined || value === null ? "—" : `${(value * 100).toFixed(1)}%`;
+    return value === undefined || value === null ? "—" : `${oneDecimal(value * 100)}%`;
   }
 
   function renderStats() {
     const progress = live.progress;
-    setText("stat-samples-per-second", progress.samples_per_second.toFixed(1));
+    setText("stat-samples-per-second", oneDecimal(progress.samples_per_second));
     setText("stat-volunteers", String(progress.volunteers_active));
     setText("stat-flops", format.humanFlops(progress.flops));
     setText("stat-versions", String(progress.versions));
-    setText("stat-eta", progress.eta_seconds === null ? "—" : progress.eta_seconds === 0 ? "reached" : format.humanSeconds(progress.eta_seconds));
+    setText("stat-eta", progress.eta_seconds === null ? "—" : progress.eta_seconds === 0 ? text.reached : format.humanSeconds(progress.eta_seconds));
     setText("stat-eta-note", progress.eta_reason);
     setText("comparison", live.comparison.statement);
-    setText("project-status", live.project.status.charAt(0).toUpperCase() + live.project.status.slice(1));
+    setText("project-status", (text.statuses || {})[live.project.status] || live.project.status);
     document.getElementById("project-status").dataset.status = live.project.status;
     document.getElementById("metrics-empty").hidden = live.metrics.length > 0;
     const baseline = live.baseline;
-    setText("baseline-status", baseline ? `Baseline: ${baseline.status}${baseline.reason ? ` — ${baseline.reason}` : ""}` : "");
+    setText("baseline-status", baseline ? baselineLine(baseline) : "");
+  }
+
+  function baselineLine(baseline) {
+    const status = (text.baseline_statuses || {})[baseline.status] || baseline.status;
+    const line = format.fill(text.baseline || "Baseline: %(status)s", { status });
+    return baseline.reason ? `${line} — ${baseline.reason}` : line;
   }
 
   function renderCheckpoints() {
@@ -72,10 +86,10 @@
       const tr = document.createElement("tr");
       tr.append(
         cell(`v${version.number}`),
-        cell(version.samples.toLocaleString(), "num hide-narrow"),
-        cell(version.train_loss === null ? "—" : version.train_loss.toFixed(3), "num"),
+        cell(version.samples.toLocaleString(lang), "num hide-narrow"),
+        cell(version.train_loss === null ? "—" : version.train_loss.toLocaleString(lang, { minimumFractionDigits: 3, maximumFractionDigits: 3 }), "num"),
         cell(percent(version.metrics.test_accuracy), "num"),
-        cell(new Date(version.created_at).toLocaleTimeString(), "hide-narrow"),
+        cell(new Date(version.created_at).toLocaleTimeString(lang), "hide-narrow"),
       );
       return tr;
     });

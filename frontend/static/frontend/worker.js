@@ -2,11 +2,18 @@
 //   page -> worker  {cmd: "init", backends?: [..preference order..]}
 //                   {cmd: "compute", assign: <work_unit of the protocol's `assign` message>}
 //                   {cmd: "cancel", work_unit}
+//                   {cmd: "duty", percent}   {cmd: "pause"}   {cmd: "resume"}
 // Computes run one at a time in arrival order, but each unit's blobs start downloading as soon as it
 // arrives, so a prefetched unit is ready to go when the one before it finishes.
+// The volunteer's computing preferences are enforced here, between work units: a unit starts only while not
+// paused (the page pauses for a hidden tab, the battery, input) and after the rest the duty cycle asks for
+// (compute / (compute + rest) = percent), so a pause stops training within the unit being computed.
 //   worker -> page  {type: "ready", backend, gflops}
+//                   {type: "started", work_unit}
 //                   {type: "result", work_unit, model_version, samples, loss,
-//                    timings: {download_ms, compute_ms}, bytes: ArrayBuffer (transferred)}
+//                    timings: {download_ms, compute_ms}, bytes: ArrayBuffer (transferred),
+//                    step: {start, end} (this worker's performance.now()), rest_ms (before the next unit)}
+//                   {type: "rest", ms} (the duty cycle changed: the rest from now)
 //                   {type: "failed", work_unit, error}   {type: "cancelled", work_unit}
 //                   {type: "init_failed", error}
 "use strict";
@@ -33,6 +40,53 @@ const cancelled = new Set();
 const cpuGraphs = new Set(); // graph URLs that hit a missing WASM kernel at run time
 let queue = Promise.resolve(); // computes run one after another
 const feedbacks = new Map(); // project id -> ErrorFeedback: int8's residual, carried across work units
+
+// ---- duty cycle and pauses ----------------------------------------------------------------------
+const pacing = {
+  duty: 100, // percent of the time spent computing
+  paused: false,
+  lastCompute: 0, lastEnd: null, // the latest unit's compute time and when it ended
+  restUntil: 0,
+  wake: null, // ends the current wait early (resume, a new duty cycle)
+};
+
+// The rest after `computeMs` of computing that makes compute / (compute + rest) the duty cycle.
+function restFor(computeMs) {
+  return (computeMs * (100 - pacing.duty)) / pacing.duty;
+}
+
+function waitFor(ms) {
+  return new Promise((resolve) => {
+    const done = () => { clearTimeout(timer); pacing.wake = null; resolve(); };
+    const timer = ms === Infinity ? null : setTimeout(done, ms);
+    pacing.wake = done;
+  });
+}
+
+// Resolves once a unit may start: not paused, and rested.
+async function ourTurn() {
+  for (;;) {
+    if (pacing.paused) { await waitFor(Infinity); continue; }
+    const rest = pacing.restUntil - performance.now();
+    if (rest <= 0) return;
+    await waitFor(rest);
+  }
+}
+
+function setDuty(percent) {
+  const [least, most] = ct.spec.protocol.preferences.duty_cycle_percent;
+  pacing.duty = Math.min(most, Math.max(least, Number(percent) || most));
+  if (pacing.lastEnd !== null) {
+    pacing.restUntil = pacing.lastEnd + restFor(pacing.lastCompute);
+    self.postMessage({ type: "rest", ms: Math.max(0, pacing.restUntil - performance.now()) });
+  }
+  if (pacing.wake) pacing.wake();
+}
+
+function setPaused(paused) {
+  pacing.paused = paused;
+  if (!paused && pacing.wake) pacing.wake();
+}
 
 // ---- backend selection ------------------------------------------------------------------------
 async function usable(name) {
@@ -231,15 +285,22 @@ async function compute(assign, downloading) {
   const d = await downloading;
   const t0 = performance.now();
   const r = await runTaskWithFallback(assign, d);
+  const end = performance.now();
+  pacing.lastCompute = end - t0;
+  pacing.lastEnd = end;
+  pacing.restUntil = end + restFor(pacing.lastCompute);
   const bytes = r.bytes.buffer.byteLength === r.bytes.byteLength ? r.bytes.buffer : r.bytes.slice().buffer;
   return {
     type: "result", work_unit: assign.id, model_version: assign.model_version, samples: r.samples, loss: r.loss,
-    timings: { download_ms: Math.round(d.ms), compute_ms: Math.round(performance.now() - t0) }, bytes,
+    timings: { download_ms: Math.round(d.ms), compute_ms: Math.round(end - t0) }, bytes,
+    step: { start: t0, end }, rest_ms: restFor(pacing.lastCompute),
   };
 }
 
 async function runCompute(assign, downloading) {
+  await ourTurn();
   if (cancelled.delete(assign.id)) { self.postMessage({ type: "cancelled", work_unit: assign.id }); return; }
+  self.postMessage({ type: "started", work_unit: assign.id });
   try {
     const result = await compute(assign, downloading);
     self.postMessage(result, [result.bytes]);
@@ -269,5 +330,9 @@ self.onmessage = (event) => {
     queue = queue.then(() => runCompute(msg.assign, downloading));
   } else if (msg.cmd === "cancel") {
     cancelled.add(msg.work_unit); // only skips work not yet started; the page drops late results
+  } else if (msg.cmd === "duty") {
+    setDuty(msg.percent);
+  } else if (msg.cmd === "pause" || msg.cmd === "resume") {
+    setPaused(msg.cmd === "pause");
   }
 };

@@ -155,6 +155,7 @@
       worker.onerror = (e) => finish(new Error(e.message));
       worker.onmessage = (e) => {
         const msg = e.data;
+        if (msg.type === "started") return; // progress only: the page uses it for its duty-cycle clock
         if (msg.bytes) msg.bytes = toB64(new Uint8Array(msg.bytes));
         log.push(msg);
         if (msg.type === "init_failed") return finish(new Error(msg.error));

@@ -1,0 +1,125 @@
+"""Work units that fit a device: the volunteer's largest work unit and daily download (computing preferences)
+and the memory its browser reports. The scheduler (projects.lifecycle) asks here inside its transaction.
+
+A work unit's download is what its browser fetches: the graph, the version's weights as sent and the whole
+shard (browsers fetch a shard whole and keep it), less the blobs this device was sent since it connected,
+which its browser has kept. Its memory is the model a few times over (weights, gradients, optimizer state, the
+encoded update), the decoded shard and the activations of one mini-batch (engine.graph.activation_memory):
+only this last part shrinks with fewer samples. Browsers report the memory of the whole device
+(navigator.deviceMemory, rounded down, at most 8 GiB); one work unit may take MEMORY_SHARE of it."""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+
+from django.utils import timezone
+
+from engine.graph import activation_memory, load_graph
+from projects.models import Blob, WorkUnit
+from workers.models import Device, DeviceDownload
+from workers.preferences import MB, Preferences
+
+MEMORY_SHARE = 0.25
+MODEL_COPIES = 4
+FLOAT_BYTES = 4
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What one work unit may be for a device now (None: no limit)."""
+
+    work_unit_bytes: int | None = None  # its download, and its memory (the volunteer's preference)
+    memory_bytes: int | None = None  # its memory (the device's)
+    download_left: int | None = None  # its download (what is left of today's allowance)
+    sent: frozenset[str] = frozenset()  # blobs the device already has
+
+
+@dataclass(frozen=True)
+class Fit:
+    samples: int  # how many of the work unit's samples fit; 0: none
+    reason: str = ""  # why none: "download_limit" or "too_large"
+
+
+def limits_for(*, device: Device | None, preferences: Preferences, memory_mb: float | None) -> Limits:
+    """Locks the device's row of today (until the caller's transaction ends): two connections of one
+    browser cannot both spend the last of its allowance."""
+    memory = None if not memory_mb else int(memory_mb * MB * MEMORY_SHARE)
+    if device is None:
+        return Limits(work_unit_bytes=preferences.max_work_unit_bytes(), memory_bytes=memory)
+    today = _today(device_id=device.pk)
+    allowance = preferences.max_download_bytes()
+    return Limits(
+        work_unit_bytes=preferences.max_work_unit_bytes(),
+        memory_bytes=memory,
+        download_left=None if allowance is None else max(0, allowance - today.bytes),
+        sent=frozenset(today.blobs),
+    )
+
+
+def fit(*, work_unit: WorkUnit, limits: Limits) -> Fit:
+    """How many samples of `work_unit` (its project, version and shard with their blobs loaded) fit."""
+    download = sum(size for sha, size in work_unit_blobs(work_unit).items() if sha not in limits.sent)
+    if limits.download_left is not None and download > limits.download_left:
+        return Fit(0, "download_limit")
+    if limits.work_unit_bytes is not None and download > limits.work_unit_bytes:
+        return Fit(0, "too_large")
+    caps = [cap for cap in (limits.work_unit_bytes, limits.memory_bytes) if cap is not None]
+    samples = _samples_within(work_unit=work_unit, cap=min(caps)) if caps else work_unit.count
+    return Fit(samples, "" if samples else "too_large")
+
+
+def work_unit_blobs(work_unit: WorkUnit) -> dict[str, int]:
+    """{sha256: size} of what a browser downloads for `work_unit`."""
+    blobs: list[Blob] = [work_unit.project.graph, work_unit.version.wire_blob, work_unit.shard.blob]
+    return {blob.sha256: blob.size for blob in blobs}
+
+
+def _samples_within(*, work_unit: WorkUnit, cap: int) -> int:
+    params, activations = model_memory(work_unit.project.graph)
+    fixed = MODEL_COPIES * params + work_unit.shard.blob.size
+    if fixed + activations > cap:
+        return 0
+    batch = work_unit.project.local_batch_size if work_unit.project.task == "local_steps" else math.inf
+    fits = (cap - fixed) // activations if activations else math.inf
+    return work_unit.count if fits >= min(batch, work_unit.count) else int(fits)
+
+
+def model_memory(graph: Blob) -> tuple[int, int]:
+    """(bytes of the parameters and buffers, bytes of activations per training sample) of a graph."""
+    return _model_memory(graph.sha256)
+
+
+@functools.lru_cache(maxsize=64)
+def _model_memory(sha256: str) -> tuple[int, int]:
+    # Keyed by content: a graph's bytes never change, so neither does its memory.
+    graph = load_graph(Blob.objects.get(pk=sha256).read(), max_activation_bytes=None)
+    tensors = [*graph.params, *graph.buffers]
+    params = sum(math.prod(spec.shape) for spec in tensors) * FLOAT_BYTES
+    return params, activation_memory(graph).train_bytes
+
+
+def download_record(*, device: Device, work_unit: WorkUnit) -> None:
+    """Count `work_unit`'s download against the device's day (inside the sending transaction)."""
+    today = _today(device_id=device.pk)
+    today.record(work_unit_blobs(work_unit))
+    today.save(update_fields=["bytes", "work_units", "blobs"])
+
+
+def download_forget_sent(*, device_id: int) -> None:
+    """A new connection: its browser may have a fresh page, without the blobs sent before (counted again)."""
+    DeviceDownload.objects.filter(device_id=device_id, day=timezone.now().date()).update(blobs=[])
+
+
+def download_today(*, device_id: int) -> int:
+    """Bytes counted for the device today."""
+    row = DeviceDownload.objects.filter(device_id=device_id, day=timezone.now().date()).first()
+    return row.bytes if row else 0
+
+
+def _today(*, device_id: int) -> DeviceDownload:
+    day = timezone.now().date()
+    # The same queries whether the row exists yet or not (as projects.shares.usage_charge).
+    DeviceDownload.objects.bulk_create([DeviceDownload(device_id=device_id, day=day)], ignore_conflicts=True)
+    return DeviceDownload.objects.select_for_update(no_key=True).get(device_id=device_id, day=day)

@@ -1,0 +1,13 @@
+"""Celery tasks of the volunteers' side."""
+
+from __future__ import annotations
+
+from celery import shared_task
+
+from workers.stats import stats_export
+
+
+@shared_task(ignore_result=True)
+def export_stats() -> dict[str, int]:
+    """The daily statistics dumps (workers/stats.py); beat runs it (CELERY_BEAT_SCHEDULE)."""
+    return stats_export()
