@@ -28,7 +28,7 @@ define forget-old-stamps
 find $(VENV) -maxdepth 1 -name '.installed-*' ! -name '$(notdir $(RUN_STAMP))' ! -name '$(notdir $(DEV_STAMP))' -delete
 endef
 
-.PHONY: help run test test-js lint docker setup setup-dev vendor fuzz messages bench-server
+.PHONY: help run test test-js lint docker setup setup-dev vendor fuzz messages bench-server bench-sockets bench-pipeline
 
 help:
 	@echo "make run     set up (.venv, npm, database, admin, demo data) and run the platform on http://127.0.0.1:8000"
@@ -38,6 +38,8 @@ help:
 	@echo "make messages  update locale/*/django.po from the templates and code, and compile them (needs GNU gettext)"
 	@echo "make fuzz    the long protocol fuzz against the real stack (FUZZ_ARGS=\"--frames 100000 --minutes 30\")"
 	@echo "make bench-server  the server's costs (aggregation before/after); benchmarks/results/server-*.json"
+	@echo "make bench-sockets  one daphne: idle volunteers, a reconnect storm, mass close (~4 min); server-sockets.json"
+	@echo "make bench-pipeline  pipeline vs data parallel, emulated time (~2 min); benchmarks/results/pipeline.*"
 	@echo "make docker  docker compose up --build (production shape; needs .env, see platform/env.example)"
 
 $(PY):
@@ -96,6 +98,19 @@ fuzz: setup-dev
 BENCH_SERVER_ARGS ?=
 bench-server: setup-dev
 	$(PY) -m benchmarks.server.run $(BENCH_SERVER_ARGS)
+
+# benchmarks/server/sockets.py: one daphne on the real stack, N idle volunteers, K simultaneous reconnects, all
+# closing at once (a few minutes; its own target so bench-server stays quick). Drops and creates its database.
+# Bigger: BENCH_SOCKETS_ARGS="--volunteers 20000 --storm 10000"; results in benchmarks/results/server-sockets.json.
+BENCH_SOCKETS_ARGS ?=
+bench-sockets: setup-dev
+	$(PY) -m benchmarks.server.sockets $(BENCH_SOCKETS_ARGS)
+
+# benchmarks/pipeline: pipeline mode (GPT at six widths, ResNet-18; 2, 4, 8 stages x 1-4 volunteers) against
+# data-parallel sync and averaging, as an emulation of time over real graphs, partitions and GPipe timetables;
+# a table, benchmarks/results/pipeline.json and pipeline.png. No database.
+bench-pipeline: setup-dev
+	$(PY) -m benchmarks.pipeline
 
 # The compiled .mo files are committed, so running the platform needs no gettext; translators run this.
 MESSAGE_DIRS := --ignore=.venv --ignore=node_modules --ignore=var --ignore=tests --ignore=benchmarks --ignore=client --ignore=frontend/vendor

@@ -169,14 +169,32 @@ STORAGES = {
 }
 
 REDIS_URL = os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0")
+# Every web process re-adds its live connections to their groups and stamps their devices' last_seen this
+# often (workers/presence.py). A member or device not refreshed for SOCKET_STALE_SECONDS belonged to a
+# connection that died uncleanly: the layer drops the member (group_expiry), the beat sweep the device.
+SOCKET_HEARTBEAT_SECONDS = int(os.environ.get("CROWDTRAIN_SOCKET_HEARTBEAT_SECONDS", 30))
+SOCKET_STALE_SECONDS = 4 * SOCKET_HEARTBEAT_SECONDS
 CHANNEL_LAYERS = {
     "default": {
-        "BACKEND": "channels_redis.core.RedisChannelLayer",
-        "CONFIG": {"hosts": [REDIS_URL], "capacity": 1000, "expiry": 30},
+        "BACKEND": "config.channel_layer.BoundedRedisChannelLayer",
+        "CONFIG": {
+            "hosts": [REDIS_URL],
+            "capacity": 1000,
+            "expiry": 30,
+            "group_expiry": SOCKET_STALE_SECONDS,
+        },
     }
 }
 # Throttling counters (e.g. WebSocket connects) must be shared by every process: Redis, not local memory.
-CACHES = {"default": {"BACKEND": "django.core.cache.backends.redis.RedisCache", "LOCATION": REDIS_URL}}
+CACHES = {
+    "default": {
+        "BACKEND": "django.core.cache.backends.redis.RedisCache",
+        "LOCATION": REDIS_URL,
+        "OPTIONS": {
+            "pool_class": "config.channel_layer.SharedCachePool"
+        },  # one pool per process (why: there)
+    }
+}
 CELERY_BROKER_URL = os.environ.get("CELERY_BROKER_URL", REDIS_URL)
 CELERY_RESULT_BACKEND = None
 CELERY_TASK_ALWAYS_EAGER = env_bool("CELERY_TASK_ALWAYS_EAGER", False)
@@ -202,6 +220,8 @@ CELERY_BEAT_SCHEDULE = {
         "schedule": float(os.environ.get("CROWDTRAIN_STORAGE_SWEEP_SECONDS", 60)),
     },
     "queue-baselines": {"task": "projects.tasks.queue_baselines", "schedule": 60.0},
+    # Devices whose connection died without a goodbye (their process killed): disconnected, work released.
+    "sweep-devices": {"task": "workers.tasks.sweep_devices", "schedule": float(SOCKET_HEARTBEAT_SECONDS)},
     # BOINC projects dump their statistics once a day; the minute is arbitrary (off the hour's peak).
     "export-stats": {
         "task": "workers.tasks.export_stats",

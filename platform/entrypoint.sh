@@ -40,6 +40,9 @@ case "$role" in
             python manage.py collectstatic --noinput
         fi
         limit=$(( ${CROWDTRAIN_MAX_RESULT_BYTES:-134217728} + 1048576 ))  # results are single WebSocket frames
+        # One file descriptor per volunteer's socket: the soft limit up to the hard one (config/asgi.py
+        # does it too, for daphne started any other way). Raise the hard one with compose's `ulimits`.
+        ulimit -n "$(ulimit -H -n)" 2>/dev/null || true
         exec daphne --proxy-headers -b 0.0.0.0 -p "${PORT:-8000}" \
             --websocket-max-message-size "$limit" --websocket-max-frame-size "$limit" config.asgi:application
         ;;

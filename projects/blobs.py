@@ -144,6 +144,17 @@ def shard_url(*, sha256: str, user_id: int, project_id: int) -> str:
     return f"/blobs/{sha256}?{urlencode({GRANT: grant})}"
 
 
+def _stage_signer() -> TimestampSigner:
+    return TimestampSigner(salt="crowdtrain.blobs.stage")
+
+
+def stage_blob_url(*, sha256: str, user_id: int, work_unit_id: int) -> str:
+    """The URL of a pipeline stage unit's blob (its stage's graph or weights, its input activation or output
+    gradient) for the volunteer holding the unit: activations are the project's data, never public."""
+    grant = _stage_signer().sign(f"{sha256}:{user_id}.{work_unit_id}")[len(sha256) + 1 :]
+    return f"/blobs/{sha256}?{urlencode({GRANT: grant})}"
+
+
 def blob_access(*, sha256: str, grant: str | None) -> tuple[Blob | None, Access]:
     """The blob named `sha256` (None if unknown) and how the request may have it."""
     live_graph = Project.objects.filter(graph=OuterRef("pk"), status__in=LIVE)
@@ -167,13 +178,33 @@ def _granted(*, sha256: str, grant: str) -> Access:
     except SignatureExpired:
         return Access.EXPIRED
     except BadSignature:
-        return Access.REFUSED
+        return _stage_granted(sha256=sha256, grant=grant)
     user_id, project_id = value[len(sha256) + 1 :].split(".")  # as we signed it
     handed_out = DatasetShard.objects.filter(
         blob_id=sha256, dataset__projects__pk=project_id, dataset__projects__status=Project.Status.RUNNING
     ).exists()
     active = get_user_model().objects.filter(pk=user_id, is_active=True).exists()
     return Access.GRANTED if handed_out and active else Access.REFUSED
+
+
+def _stage_granted(*, sha256: str, grant: str) -> Access:
+    """A stage unit's grant: good while its volunteer holds the open unit that refers to the blob."""
+    try:
+        value = _stage_signer().unsign(f"{sha256}:{grant}", max_age=settings.CROWDTRAIN_SHARD_URL_SECONDS)
+    except SignatureExpired:
+        return Access.EXPIRED
+    except BadSignature:
+        return Access.REFUSED
+    user_id, work_unit_id = value[len(sha256) + 1 :].split(".")  # as we signed it
+    refers = Q(input_blob=sha256) | Q(grad_blob=sha256) | Q(stage_graph=sha256) | Q(stage_weights=sha256)
+    held = WorkUnit.objects.filter(
+        refers,
+        pk=work_unit_id,
+        status=WorkUnit.Status.OPEN,
+        results__volunteer_id=int(user_id),
+        results__status=Result.Status.IN_PROGRESS,
+    )
+    return Access.GRANTED if held.exists() else Access.REFUSED
 
 
 # Every row that refers to a blob: (model, its field, the path to the owner of the row).

@@ -149,6 +149,9 @@ def demo_seed(*, demo: Demo, owner: User) -> Project | None:
             preset=demo.preset,
             settings=demo.settings,
         )
+        # Demo rounds use the crowd: a work unit for every connected volunteer (lifecycle._round_plan).
+        project.crowd_rounds = True
+        project.save(update_fields=["crowd_rounds"])
     try:
         return project_start(project=project)
     except KombuOperationalError as exc:

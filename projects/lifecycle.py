@@ -19,10 +19,12 @@ FOR UPDATE, while the step waited for the validation's work unit, deadlocked.)
 
 from __future__ import annotations
 
+import math
 import random
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from functools import partial
+from statistics import median
 
 from django.conf import settings
 from django.contrib.auth.models import User
@@ -31,7 +33,7 @@ from django.db.models import Case, Q, QuerySet, Sum, Value, When
 from django.utils import timezone
 
 from engine import spec
-from projects import notify
+from projects import notify, stages
 from projects.blobs import blob_put
 from projects.models import DatasetShard, ModelVersion, Project, Result, WorkUnit
 from projects.shares import shares_order, usage_charge
@@ -87,13 +89,51 @@ def work_units_feed(*, project_id: int) -> int:
         if not project.is_running:
             return 0
         version = project.current_version()
-        missing = project.round_samples - _samples_covered(project=project, version=version)
+        if project.is_pipeline:  # a step's first units; the others follow their inputs (stages.py)
+            created = stages.step_feed(project=project, version=version)
+            project.save(update_fields=["data_cursor"])
+            return created
+        size = _round_plan(project=project, version=version)
+        target = version.round_target or project.round_samples
+        missing = target - _samples_covered(project=project, version=version)
         created = 0
         while missing > 0:
-            missing -= _next_work_unit(project=project, version=version).count
+            missing -= _next_work_unit(project=project, version=version, size=size).count
             created += 1
         project.save(update_fields=["data_cursor"])
     return created
+
+
+def _round_plan(*, project: Project, version: ModelVersion) -> int:
+    """Samples per work unit of the round fed now. A crowd-sized round (Project.crowd_rounds) has a work unit
+    for every connected volunteer who may work, at least round_samples / batch_size of them: sync SGD shares
+    the researcher's target batch between them; averaging gives each unit target_seconds of local steps on
+    the median connected device, so the round grows with the crowd. Its target is fixed once, when first
+    fed (version.round_target), so that volunteers joining mid-round do not hold it open."""
+    if not project.crowd_rounds or project.mode == Project.Mode.ASYNC_SGD:
+        return project.batch_size
+    speeds = _connected_speeds()
+    units = max(math.ceil(project.round_samples / project.batch_size), len(speeds))
+    if project.mode == Project.Mode.AVERAGING:
+        size = max(project.batch_size, project.work_unit_samples(gflops=median(speeds or [1.0])))
+        target = units * size
+    else:
+        size, target = math.ceil(project.round_samples / units), project.round_samples
+    if version.round_target is None:
+        version.round_target = target
+        version.save(update_fields=["round_target"])
+    return size
+
+
+def _connected_speeds() -> list[float]:
+    """The measured speed (GFLOPS) of every device connected now whose volunteer is not held back."""
+    now = timezone.now()
+    devices = Device.objects.filter(disconnected_at__isnull=True, forgotten_at__isnull=True).exclude(
+        volunteer__no_work_until__gt=now
+    )
+    return [
+        observed or measured or 1.0 for observed, measured in devices.values_list("observed_gflops", "gflops")
+    ]
 
 
 def _samples_covered(*, project: Project, version: ModelVersion) -> int:
@@ -106,9 +146,9 @@ def _samples_covered(*, project: Project, version: ModelVersion) -> int:
     return units.aggregate(n=Sum("count"))["n"] or 0
 
 
-def _next_work_unit(*, project: Project, version: ModelVersion) -> WorkUnit:
+def _next_work_unit(*, project: Project, version: ModelVersion, size: int) -> WorkUnit:
     shard, offset = _locate(project=project, index=project.data_cursor % project.dataset.train_samples)
-    count = min(project.batch_size, shard.count - offset)
+    count = min(size, shard.count - offset)
     project.data_cursor += count
     return WorkUnit.objects.create(project=project, version=version, shard=shard, offset=offset, count=count)
 
@@ -191,7 +231,7 @@ def _send(
     _split_to_fit(work_unit=work_unit, samples=min(samples, speed))
     if device is not None:
         fitting.download_record(device=device, work_unit=work_unit)
-    usage_charge(project_id=work_unit.project_id, flops=work_unit.project.flops_per_sample * work_unit.count)
+    usage_charge(project_id=work_unit.project_id, flops=stages.unit_flops(work_unit=work_unit))
     work_unit.wanted -= 1
     work_unit.total_results += 1
     _plan_spot_check(work_unit=work_unit, volunteer=volunteer)
@@ -219,7 +259,9 @@ def _plan_spot_check(*, work_unit: WorkUnit, volunteer: Volunteer) -> None:
     scheduler never gives to a volunteer holding one. By the server: it computes the slice's update now,
     while the volunteer does, so that validating the result is only a comparison."""
     project = work_unit.project
-    if project.spot_check_by == Project.SpotCheckBy.REPLICA:
+    if work_unit.stage_kind:  # stage units are checked by the server, when judged (pipeline.py)
+        work_unit.spot_check = work_unit.spot_check or _check_drawn(project=project, volunteer=volunteer)
+    elif project.spot_check_by == Project.SpotCheckBy.REPLICA:
         if work_unit.target_results == 1 and _check_drawn(project=project, volunteer=volunteer):
             work_unit.replicate()
             transaction.on_commit(notify.work_available)  # the replica is for someone else
@@ -271,8 +313,9 @@ def _next_open_work_unit(*, user: User, allowed: Q | None = None) -> WorkUnit | 
 
 
 def _split_to_fit(*, work_unit: WorkUnit, samples: int) -> None:
-    """A slow device gets the front of a fresh work unit; the rest becomes a work unit of its own."""
-    if work_unit.count <= samples or work_unit.total_results:
+    """A slow device gets the front of a fresh work unit; the rest becomes a work unit of its own. Never a
+    stage unit: its micro-batch is fixed by its step."""
+    if work_unit.count <= samples or work_unit.total_results or work_unit.stage_kind:
         return
     WorkUnit.objects.create(
         project=work_unit.project,
@@ -358,9 +401,10 @@ def _version_problem(*, result: Result, model_version: int | None) -> str | None
 def _refuse(*, result: Result, reason: str) -> None:
     """Invalid without validation (its own words give it away): as validation.py's verdicts, no credit,
     trust reset and the slice wanted again; its volunteer hears it like any verdict."""
-    result.work_unit = (
-        WorkUnit.objects.select_for_update(no_key=True).select_related("project").get(pk=result.work_unit_id)
-    )
+    # The work unit's row only (of "self"): locking the joined project's too, while holding the arriving
+    # result, crossed project_step, which holds the project and waits for the round's arrivals.
+    locked = WorkUnit.objects.select_for_update(of=("self",), no_key=True).select_related("project")
+    result.work_unit = locked.get(pk=result.work_unit_id)
     result_invalidate(result=result, reason=reason)
     transaction.on_commit(lambda: notify.results_decided(result_ids=[result.pk]))
 

@@ -119,6 +119,7 @@ class Project(models.Model):
         SYNC_SGD = "sync_sgd", "Synchronous SGD (gradients, one server step per round)"
         AVERAGING = "averaging", "Averaging (local steps, outer optimizer on averaged deltas)"
         ASYNC_SGD = "async_sgd", "Asynchronous SGD (applied on arrival, staleness-weighted)"
+        PIPELINE = "pipeline", "Pipeline (the model cut into stages, GPipe micro-batches, one step each)"
 
     class Codec(models.TextChoices):
         FP32 = "fp32"
@@ -205,6 +206,30 @@ class Project(models.Model):
         help_text="Refuse models whose activations need more MiB than this per training sample (every node's "
         "output, twice for the backward pass; ResNet-18 on 32x32 needs 16).",
     )
+    device_memory_mb = models.PositiveIntegerField(
+        null=True,
+        blank=True,
+        help_text="Per-device memory budget in MiB (parameters, gradients, optimizer state, one "
+        "micro-batch's activations): data-parallel modes refuse models over it, pipeline mode cuts them "
+        "into stages under it.",
+    )
+    pipeline_stages = models.PositiveSmallIntegerField(
+        default=0,
+        validators=[MaxValueValidator(64)],
+        help_text="Pipeline: stages the model is cut into; 0: the fewest that fit the per-device memory "
+        "budget.",
+    )
+    micro_batches = models.PositiveSmallIntegerField(
+        default=4,
+        validators=[MinValueValidator(1), MaxValueValidator(64)],
+        help_text="Pipeline: micro-batches of batch_size samples per step (GPipe's M).",
+    )
+    activation_codec = models.CharField(
+        max_length=10,
+        choices=[("fp32", "fp32"), ("fp16", "fp16"), ("int8", "int8")],
+        default="fp16",
+        help_text="Pipeline: how activations and their gradients travel (engine/activations.py).",
+    )
     max_versions = models.PositiveIntegerField(default=100000, help_text="Stop after this many steps.")
     # Set by staff, never by the project's researcher: a researcher must not be able to starve other projects.
     resource_share = models.PositiveIntegerField(
@@ -219,6 +244,11 @@ class Project(models.Model):
     )
     target_value = models.FloatField(
         null=True, blank=True, help_text="Goal for the target metric (e.g. 0.95 accuracy, or a loss of 0.1)."
+    )
+    crowd_rounds = models.BooleanField(
+        default=False,
+        help_text="Rounds grow with the volunteers connected: a work unit for each of them. Sync SGD shares "
+        "round_samples (the target batch) between them; averaging sizes each unit to take target_seconds.",
     )
     # Next training sample to hand out; work units walk the training split in order, epoch after epoch.
     data_cursor = models.PositiveBigIntegerField(default=0)
@@ -239,6 +269,10 @@ class Project(models.Model):
         return "local_steps" if self.mode == self.Mode.AVERAGING else "gradient"
 
     @property
+    def is_pipeline(self) -> bool:
+        return self.mode == self.Mode.PIPELINE
+
+    @property
     def task_recipe(self) -> str:
         """Everything besides the slice and the weights that an honest update depends on: a stored
         reference computed under other settings (changed mid-round) is not this update's reference."""
@@ -257,9 +291,17 @@ class Project(models.Model):
         return self.versions.order_by("-number").first()  # type: ignore[return-value]
 
     def work_unit_samples(self, *, gflops: float) -> int:
-        """Samples a device of `gflops` computes in about `target_seconds` (1 to batch_size)."""
+        """Samples a device of `gflops` computes in about `target_seconds` (1 to max_unit_samples)."""
         fits = int(self.target_seconds * gflops * 1e9 / max(self.flops_per_sample, 1))
-        return max(1, min(self.batch_size, fits))
+        return max(1, min(self.max_unit_samples, fits))
+
+    @property
+    def max_unit_samples(self) -> int:
+        """batch_size, except in crowd-sized averaging: its units hold as many local steps as target_seconds
+        allows (a unit never spans two shards), since batch_size would cap a small model at milliseconds."""
+        if self.crowd_rounds and self.mode == self.Mode.AVERAGING:
+            return max(self.batch_size, int(settings.CROWDTRAIN["SHARD_SAMPLES"]))
+        return self.batch_size
 
     def staleness_weight(self, *, staleness: int) -> float:
         return 1.0 / (1 + staleness) if staleness < self.staleness_bound else 0.0
@@ -277,6 +319,11 @@ class ModelVersion(models.Model):
     wire_weights = models.ForeignKey(Blob, on_delete=models.PROTECT, related_name="+", null=True, blank=True)
     train_loss = models.FloatField(null=True, blank=True)
     samples = models.PositiveIntegerField(default=0, help_text="Samples aggregated into this version.")
+    # Its round: the samples the feeder planned (None: the project's round_samples), and the samples of the
+    # canonical valid results so far, counted in each verdict's transaction so that deciding whether the
+    # round is complete reads one row rather than every pending result (training.round_ready).
+    round_target = models.PositiveBigIntegerField(null=True, blank=True)
+    valid_samples = models.PositiveBigIntegerField(default=0)
     created_at = models.DateTimeField(auto_now_add=True)
     pruned_at = models.DateTimeField(
         null=True, blank=True, help_text="When its weights and optimizer state were deleted to save space."
@@ -346,10 +393,38 @@ class WorkUnit(models.Model):
     max_total_results = models.PositiveSmallIntegerField(default=6)
     error_results = models.PositiveSmallIntegerField(default=0)
     total_results = models.PositiveSmallIntegerField(default=0)
+    # Pipeline mode (projects/pipeline.py): a stage unit of micro-batch `micro_batch` in the step on
+    # `version`. Blank `stage_kind`: a data-parallel unit. `input_blob`: the stage's input activation (None
+    # for stage 0, which reads the shard); `grad_blob`: the gradient of its output (backward, not last).
+    stage_kind = models.CharField(max_length=8, blank=True, default="")
+    stage = models.PositiveSmallIntegerField(null=True, blank=True)
+    micro_batch = models.PositiveSmallIntegerField(null=True, blank=True)
+    input_blob = models.ForeignKey(Blob, on_delete=models.PROTECT, related_name="+", null=True, blank=True)
+    grad_blob = models.ForeignKey(Blob, on_delete=models.PROTECT, related_name="+", null=True, blank=True)
+    loss_scale = models.FloatField(null=True, blank=True)
+    # The stage's graph and its weights on `version` as the volunteer downloads them (and the server's
+    # recomputation reads): referenced here, so they are served with a grant and kept from the collector.
+    stage_graph = models.ForeignKey(Blob, on_delete=models.PROTECT, related_name="+", null=True, blank=True)
+    stage_weights = models.ForeignKey(Blob, on_delete=models.PROTECT, related_name="+", null=True, blank=True)
     created_at = models.DateTimeField(auto_now_add=True)
 
     class Meta:
-        indexes = [models.Index(fields=["project", "status"])]
+        indexes = [
+            models.Index(fields=["project", "status"]),
+            # The scheduler's candidates (lifecycle._sendable): a round's worth per project, any history.
+            models.Index(
+                fields=["project", "version", "id"],
+                condition=models.Q(status="open", wanted__gt=0),
+                name="workunit_sendable",
+            ),
+        ]
+        constraints = [
+            models.UniqueConstraint(
+                fields=["version", "stage_kind", "stage", "micro_batch"],
+                condition=~models.Q(stage_kind=""),
+                name="one_stage_unit_per_step",
+            )
+        ]
 
     def __str__(self) -> str:
         return f"WU {self.pk} ({self.project}, v{self.version.number}, {self.status})"
@@ -429,6 +504,27 @@ class Result(models.Model):
             # The storage sweep looks only at results still holding an update (a few rounds' worth).
             models.Index(
                 fields=["work_unit"], condition=models.Q(blob__isnull=False), name="result_holding_blob"
+            ),
+            # The hot paths, each a small share of the table however long the history (0012_hot_path_indexes):
+            # a work unit's results by state (quorums, arrivals held by the step, cancellations),
+            models.Index(fields=["work_unit", "status"], name="result_unit_status"),
+            # the validation queue (a round waits for it; the transitioner retries it),
+            models.Index(
+                fields=["work_unit", "received_at"],
+                condition=models.Q(status="received", validation="pending", checked=False),
+                name="result_awaiting_validation",
+            ),
+            # valid updates not yet aggregated (async steps),
+            models.Index(
+                fields=["work_unit"],
+                condition=models.Q(validation="valid", aggregated=False, status="received"),
+                name="result_unaggregated",
+            ),
+            # and the latest valid norms (validation._norm_problem), newest first.
+            models.Index(
+                fields=["-id"],
+                condition=models.Q(validation="valid", update_norm__isnull=False),
+                name="result_valid_norm",
             ),
         ]
 

@@ -20,7 +20,7 @@ from engine import codecs, runtime
 from engine.flops import train_flops_per_sample
 from engine.graph import Graph, GraphError, TensorSpec, graph_to_json, infer_shapes, load_graph
 from engine.presets import export_preset
-from projects import notify
+from projects import notify, stages
 from projects.blobs import blob_put, blob_put_tensors
 from projects.datasets import dataset_load_split
 from projects.lifecycle import work_units_cancel
@@ -58,6 +58,10 @@ TRAINING_SETTINGS = (
     "spot_check_by",
     "trust_threshold",
     "max_versions",
+    "device_memory_mb",
+    "pipeline_stages",
+    "micro_batches",
+    "activation_codec",
     "target_metric",
     "target_value",
 )
@@ -124,6 +128,7 @@ def project_create_from_graph(
             flops_per_sample=train_flops_per_sample(graph),
             **{key: value for key, value in (settings or {}).items() if key in TRAINING_SETTINGS},
         )
+        _memory_check(project=project)
         version_publish(project=project, number=0, weights=weights, momentum={})
         baseline_schedule(project=project)
     return project
@@ -244,9 +249,19 @@ def project_update(*, project: Project, changes: dict[str, Any]) -> Project:
     fields = [key for key in changes if key in EDITABLE_FIELDS]
     for key in fields:
         setattr(project, key, changes[key])
+    _memory_check(project=project)
     if fields:
         project.save(update_fields=fields)
     return project
+
+
+def _memory_check(*, project: Project) -> None:
+    """A data-parallel mode refuses a model over the per-device memory budget, pointing to pipeline mode;
+    pipeline mode refuses one it cannot cut as asked."""
+    try:
+        stages.project_memory_check(project=project)
+    except stages.PipelineError as exc:
+        raise ProjectError(str(exc)) from None
 
 
 def project_delete(*, project: Project) -> None:

@@ -28,10 +28,11 @@ from functools import partial
 import torch
 from django.conf import settings
 from django.db import transaction
+from django.db.models import QuerySet
 from django.utils import timezone
 
 from engine import aggregate, codecs, optim
-from projects import notify
+from projects import notify, pipeline
 from projects.blobs import blob_read_buffer, blob_view
 from projects.lifecycle import (
     VALIDATION_GIVE_UP_SECONDS,
@@ -54,11 +55,9 @@ def project_step(*, project_id: int) -> ModelVersion | None:
     with transaction.atomic():
         project = Project.objects.select_for_update(no_key=True).get(pk=project_id)
         current = project.current_version()
-        _hold_arrivals(project=project, current=current)
-        results = list(_pending(project=project, current=current))
-        if not results or not _round_complete(project=project, current=current, results=results):
+        version = _close_round(project=project, current=current)
+        if version is None:
             return None
-        version = _publish(project=project, current=current, results=results)
         _cancel_stale(project=project, version=version)
         if version.number >= project.max_versions:
             project.status = Project.Status.FINISHED
@@ -67,6 +66,18 @@ def project_step(*, project_id: int) -> ModelVersion | None:
         work_units_feed(project_id=project_id)
     transaction.on_commit(partial(_version_announce, version=version))
     return version
+
+
+def _close_round(*, project: Project, current: ModelVersion) -> ModelVersion | None:
+    """The next version if the round (the step, in pipeline mode) on `current` is complete, else None."""
+    if project.is_pipeline:
+        return pipeline.step_publish(project=project, current=current)
+    _hold_arrivals(project=project, current=current)
+    results = list(_pending(project=project, current=current))
+    samples = sum(r.samples for r in results)
+    if not results or not _round_complete(project=project, current=current, samples=samples):
+        return None
+    return _publish(project=project, current=current, results=results)
 
 
 def _hold_arrivals(*, project: Project, current: ModelVersion) -> None:
@@ -101,30 +112,42 @@ def results_decided(*, result_ids: list[int]) -> None:
 
 def round_ready(*, project_id: int) -> bool:
     """Would project_step publish now? Asked after every verdict, so that only the verdict completing a
-    round queues the (locking) step, not all of them."""
+    round queues the (locking) step, not all of them. The same work whatever the round's size: the round's
+    valid samples are counted on its version by each verdict (validation._settle), and the other questions
+    are an indexed EXISTS each (async: any update waiting; rounds: any result still being judged)."""
     project = Project.objects.get(pk=project_id)
     current = project.current_version()
-    results = _pending(project=project, current=current)
-    return bool(results) and _round_complete(project=project, current=current, results=results)
+    if project.is_pipeline:
+        return pipeline.step_complete(project=project, current=current)
+    if project.mode == Project.Mode.ASYNC_SGD:
+        return _pending_results(project=project, current=current).exists()
+    samples = current.valid_samples
+    return samples > 0 and _round_complete(project=project, current=current, samples=samples)
 
 
 def _pending(*, project: Project, current: ModelVersion) -> list[Result]:
+    results = _pending_results(project=project, current=current).select_related("blob", "work_unit__version")
+    return list(results.order_by("pk"))
+
+
+def _pending_results(*, project: Project, current: ModelVersion) -> QuerySet[Result]:
     results = Result.objects.filter(
         work_unit__project=project,
         validation=Result.Validation.VALID,
         aggregated=False,
         status=Result.Status.RECEIVED,
         canonical_for__isnull=False,
-    ).select_related("blob", "work_unit__version")
+    )
     if project.mode != Project.Mode.ASYNC_SGD:
         results = results.filter(work_unit__version=current)
-    return list(results.order_by("pk"))
+    return results
 
 
-def _round_complete(*, project: Project, current: ModelVersion, results: list[Result]) -> bool:
+def _round_complete(*, project: Project, current: ModelVersion, samples: int) -> bool:
+    """`samples`: the round's valid samples (canonical results only)."""
     if project.mode == Project.Mode.ASYNC_SGD:
         return True
-    target_met = sum(r.samples for r in results) >= project.round_samples
+    target_met = samples >= (current.round_target or project.round_samples)
     expired = timezone.now() - current.created_at >= timedelta(seconds=project.round_timeout)
     # Every result received while the round was open is judged before it closes, whether the round met its
     # target or timed out: closing first would cancel them as "late" (no credit, no verdict on their merits)

@@ -48,11 +48,11 @@ from engine import codecs
 from engine.aggregate import check_update
 from engine.graph import Graph
 from engine.runtime import compute_gradients, local_steps
-from projects import notify
+from projects import notify, pipeline, stages
 from projects.blobs import blob_put, blob_view
 from projects.datasets import shard_load
 from projects.lifecycle import result_invalidate, result_reject, results_abandon, results_awaiting_quorum
-from projects.models import Project, Result, WorkUnit
+from projects.models import ModelVersion, Project, Result, WorkUnit
 from projects.services import project_graph, version_wire_weights
 from workers.models import Device, Volunteer
 from workers.services import credit_grant, credit_lock, volunteer_ensure
@@ -141,6 +141,8 @@ def _judge(result: Result) -> list[Result]:
         result.status, result.reason = Result.Status.CANCELLED, late
         result.save(update_fields=["status", "reason"])
         return [result]
+    if work_unit.stage_kind:
+        return [_judge_stage(result)]
     reason, params = _own_problem(result)
     if reason:
         result_invalidate(result=result, reason=reason)
@@ -158,6 +160,22 @@ def _judge(result: Result) -> list[Result]:
         _validate(result=result)
         _settle(work_unit=work_unit, canonical=result)
     return [result]
+
+
+def _judge_stage(result: Result) -> Result:
+    """A pipeline stage unit's result (pipeline.py): its own checks, and the server's recomputation for
+    volunteers not trusted yet and the drawn share of trusted ones. Valid: credit, and the unit its output
+    makes ready."""
+    work_unit = result.work_unit
+    trusted = volunteer_ensure(user=result.volunteer).is_trusted(threshold=work_unit.project.trust_threshold)
+    reason, parts = pipeline.stage_result_check(result=result, spot_check=work_unit.spot_check or not trusted)
+    if reason:
+        result_invalidate(result=result, reason=reason)
+        return result
+    _validate(result=result)
+    _settle(work_unit=work_unit, canonical=result)
+    stages.stage_successor_create(work_unit=work_unit, output=result.blob, input_grad=parts.input_grad_bytes)
+    return result
 
 
 def _lateness(work_unit: WorkUnit) -> str | None:
@@ -278,7 +296,12 @@ def work_unit_compute_reference(*, work_unit_id: int) -> bool:
     work_unit = (
         WorkUnit.objects.select_related("project", "version", "shard__blob").filter(pk=work_unit_id).first()
     )
-    if work_unit is None or not work_unit.is_open or work_unit.reference_id is not None:
+    if (
+        work_unit is None
+        or not work_unit.is_open
+        or work_unit.reference_id is not None
+        or work_unit.stage_kind
+    ):
         return False  # gone (its project was deleted), decided, or done already
     recipe = work_unit.project.task_recipe
     update = codecs.encode(recompute(work_unit=work_unit), "fp32", metadata={"recipe": recipe})
@@ -432,10 +455,9 @@ def _judge_against_canonical(*, result: Result, update: Tensors) -> Result:
 
 def _validate(*, result: Result) -> None:
     """Valid: credit (the server's FLOP count, never the client's) and one more step towards trust."""
-    project = result.work_unit.project
     result.validation = Result.Validation.VALID
     result.save(update_fields=["validation", "update_norm", "spot_checked", "checked"])
-    flops = project.flops_per_sample * result.work_unit.count
+    flops = stages.unit_flops(work_unit=result.work_unit)
     credit_grant(user=result.volunteer, result=result, flops=flops)
     Volunteer.objects.filter(user_id=result.volunteer_id).update(
         consecutive_valid=F("consecutive_valid") + 1, consecutive_invalid=0
@@ -447,6 +469,11 @@ def _settle(*, work_unit: WorkUnit, canonical: Result) -> None:
     """The work unit is done; `canonical` is the one result of it that training aggregates."""
     work_unit.status, work_unit.canonical_result = WorkUnit.Status.VALIDATED, canonical
     work_unit.save(update_fields=["status", "canonical_result"])
+    # Counted in the verdict's transaction, so round_ready reads one row; last, so that the version's row
+    # is held only until the commit that follows (every validation of the round writes it).
+    ModelVersion.objects.filter(pk=work_unit.version_id).update(
+        valid_samples=F("valid_samples") + canonical.samples
+    )
 
 
 def _observe_device(*, result: Result, flops: int) -> None:

@@ -19,8 +19,10 @@ LAYERS = (
     ("projects.blob_store",),  # where blob bytes live (a bucket): below blobs and storage, which use it
     ("projects.blobs", "projects.shares", "projects.selectors"),
     ("projects.datasets", "projects.storage"),
+    ("projects.stages",),
     ("projects.lifecycle",),
     ("projects.services",),
+    ("projects.pipeline",),
     ("projects.validation", "projects.training", "projects.baseline"),
     ("projects.tasks",),
 )

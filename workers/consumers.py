@@ -32,39 +32,49 @@ from projects.lifecycle import (
 from workers import fitting, limits, protocol
 from workers.models import Device
 from workers.preferences import DEFAULTS, Preferences, preferences_effective
+from workers.presence import PRESENCE
 from workers.protocol import ProtocolError, ResultMeta
 from workers.services import device_disconnect, device_register
+from workers.signalling import SignallingMixin
 
 logger = logging.getLogger(__name__)
 UNAUTHENTICATED = protocol.CLOSE_UNAUTHENTICATED
 THROTTLED = protocol.CLOSE_THROTTLED
 
 
-class VolunteerConsumer(AsyncWebsocketConsumer):
+class VolunteerConsumer(SignallingMixin, AsyncWebsocketConsumer):  # `signal`: the peer ring
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.assigned: set[int] = set()  # work units this connection holds; released if it drops
         self.pending: ResultMeta | None = None  # a result whose tensors arrive in the next binary frame
         self.greeted = False
         self.waiting = False
-        self.joined = False
         self.refused = False
         self.device: Device | None = None
         self.memory_mb: float | None = None  # the browser's (hello): it bounds the work units it gets
         self.preferences: Preferences = DEFAULTS  # the device's computing preferences, from hello on
 
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            # Also when daphne cancels an instance that outlived its socket before disconnect() ran: the
+            # process's presence loop then takes its groups and device out (workers/presence.py).
+            if hasattr(self, "channel_name"):
+                PRESENCE.leave(self.channel_name)
+
     async def connect(self) -> None:
-        self.user = self.scope.get("user")
+        self.user = self.scope.get("user")  # read by config.websocket_auth off daphne's thread
         if self.user is None or not self.user.is_authenticated:
             await self.close(code=UNAUTHENTICATED)
             return
+        # Accepted before anything else: daphne gives a handshake 5 s, and in a storm of reconnects every
+        # round trip done before accepting queued behind the others' (72% of 2,000 failed, issue 15).
+        await self.accept()
         if not await self._connect_allowed():
             await self._refuse()
             return
-        self.joined = True  # before joining: a join that fails half-way is still undone by disconnect()
-        for group in self._groups():
-            await self.channel_layer.group_add(group, self.channel_name)
-        await self.accept()
+        await PRESENCE.join(self.channel_layer, self.channel_name, self._groups())
 
     async def _connect_allowed(self) -> bool:
         address = (self.scope.get("client") or [None])[0]
@@ -79,22 +89,20 @@ class VolunteerConsumer(AsyncWebsocketConsumer):
         return allowed
 
     async def _refuse(self) -> None:
-        # Accepted first: a browser sees no close code (only 1006) for a refused handshake.
+        # After the accept (connect): a browser sees no close code (only 1006) for a refused handshake.
         self.refused = True
-        await self.accept()
         message = "Too many connections in the last minute; wait a minute before reconnecting."
         await self.send_json(protocol.error_message("throttled", message))
         await self.close(code=THROTTLED)
 
     async def disconnect(self, code: int) -> None:
         """Every step is tried whatever became of the others; running twice does nothing the second time."""
-        joined, device, held = self.joined, self.device, list(self.assigned)
-        self.joined, self.device, self.assigned, self.pending = False, None, set(), None
-        for group in self._groups() if joined else []:
-            await self._attempt("leave a group", self.channel_layer.group_discard(group, self.channel_name))
-        if device is not None:
-            disconnecting = database_sync_to_async(device_disconnect)(device_id=device.pk)
-            await self._attempt("disconnect a device", disconnecting)
+        held = list(self.assigned)
+        self.device, self.assigned, self.pending = None, set(), None
+        # Groups and device are left in batches (workers/presence.py): when thousands close at once, each
+        # doing its own round trips took longer than daphne waits, and it killed them half-way.
+        PRESENCE.leave(self.channel_name)
+        await PRESENCE.flush(self.channel_layer)
         if held:
             await self._attempt("release work units", self._release(held))
 
@@ -170,6 +178,7 @@ class VolunteerConsumer(AsyncWebsocketConsumer):
         )
         if previous is not None and previous.pk != self.device.pk:  # a second hello, as another device
             await database_sync_to_async(device_disconnect)(device_id=previous.pk)
+        PRESENCE.device(self.channel_name, self.device.pk)
         volunteer = self.device.volunteer
         self.memory_mb = info.memory_mb
         await database_sync_to_async(fitting.download_forget_sent)(device_id=self.device.pk)

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from django.utils import timezone
 
 from engine.graph import activation_memory, load_graph
+from projects import stages
 from projects.models import Blob, WorkUnit
 from workers.models import Device, DeviceDownload
 from workers.preferences import MB, Preferences
@@ -73,10 +74,15 @@ def fit(*, work_unit: WorkUnit, limits: Limits) -> Fit:
 def work_unit_blobs(work_unit: WorkUnit) -> dict[str, int]:
     """{sha256: size} of what a browser downloads for `work_unit`."""
     blobs: list[Blob] = [work_unit.project.graph, work_unit.version.wire_blob, work_unit.shard.blob]
+    if work_unit.stage_kind:  # a pipeline stage unit: its stage's graph and weights, and its activations
+        parts = (work_unit.stage_graph, work_unit.stage_weights, work_unit.input_blob, work_unit.grad_blob)
+        blobs = [work_unit.shard.blob, *(blob for blob in parts if blob is not None)]
     return {blob.sha256: blob.size for blob in blobs}
 
 
 def _samples_within(*, work_unit: WorkUnit, cap: int) -> int:
+    if work_unit.stage_kind:  # its micro-batch is fixed; its stage was cut to fit the device budget
+        return work_unit.count if stages.unit_stage(work_unit=work_unit).memory.total <= cap else 0
     params, activations = model_memory(work_unit.project.graph)
     fixed = MODEL_COPIES * params + work_unit.shard.blob.size
     if fixed + activations > cap:

@@ -158,6 +158,7 @@ class Device(RecentCredit, models.Model):
     disconnected_at = models.DateTimeField(null=True, blank=True)
     online_ms = models.PositiveBigIntegerField(default=0, help_text="Connected time of earlier connections.")
     user_agent = models.CharField(max_length=300, blank=True)
+    # Stamped at every save and, while connected, every heartbeat by its web process (workers/presence.py).
     last_seen = models.DateTimeField(auto_now=True)
     created_at = models.DateTimeField(auto_now_add=True)
     # Forgotten by its volunteer (accounts.services.device_forget): hidden from their pages and detached from
@@ -167,6 +168,14 @@ class Device(RecentCredit, models.Model):
     class Meta:
         constraints = [
             models.UniqueConstraint(fields=["volunteer", "client_id"], name="device_one_row_per_browser")
+        ]
+        # The beat sweep's question (workers/liveness.py): connected devices not heard from for a while.
+        indexes = [
+            models.Index(
+                fields=["last_seen"],
+                condition=models.Q(disconnected_at__isnull=True),
+                name="device_connected_last_seen",
+            )
         ]
 
     def connected_ms(self, *, now: datetime) -> int:

@@ -13,9 +13,11 @@ from typing import Annotated, Any, Literal, NoReturn
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError
 
 from engine import spec
-from projects.blobs import shard_url
+from engine.partition import Stage
+from projects import stages
+from projects.blobs import shard_url, stage_blob_url
 from projects.lifecycle import ResultOutcome
-from projects.models import Result
+from projects.models import Result, WorkUnit
 from workers import preferences as computing
 
 # Shared with the browsers (engine/spec.json): the version, bounds and close codes they must respect.
@@ -27,6 +29,7 @@ MAX_COUNT = 2**31 - 1  # work unit ids, versions and samples fit PostgreSQL's in
 MAX_MILLIS = 7 * 24 * 3600 * 1000  # no work unit takes a week
 MAX_GFLOPS = 1e9
 MAX_ERRORS_SHOWN = 3
+SIGNAL: dict[str, Any] = spec.PROTOCOL["signal"]  # WebRTC signalling for the peer ring (signalling.py)
 
 
 class ProtocolError(ValueError):
@@ -111,7 +114,18 @@ class Bye(_Schema):
     type: Literal["bye"]
 
 
-ClientMessage = Hello | Ready | Progress | ResultMessage | Release | Bye
+class Signal(_Schema):
+    """An SDP offer or answer, or one ICE candidate, for the connected device `to` (workers/signalling.py).
+    `link` tells apart several links between the same two devices; `data` is opaque to the server."""
+
+    type: Literal["signal"]
+    to: Count
+    kind: Literal["offer", "answer", "candidate"]
+    data: Annotated[str, Field(max_length=SIGNAL["max_data"]), AfterValidator(_storable)]
+    link: Annotated[str, Field(pattern=SIGNAL["link_pattern"])] = "0"
+
+
+ClientMessage = Hello | Ready | Progress | ResultMessage | Release | Bye | Signal
 SCHEMAS: dict[str, type[ClientMessage]] = {
     "hello": Hello,
     "ready": Ready,
@@ -119,6 +133,7 @@ SCHEMAS: dict[str, type[ClientMessage]] = {
     "result": ResultMessage,
     "release": Release,
     "bye": Bye,
+    "signal": Signal,
 }
 CLIENT_TYPES = set(SCHEMAS)
 
@@ -237,6 +252,8 @@ def assign_message(result: Result, *, why: str = "share") -> dict[str, Any]:
     """`why` the project was chosen: spec.json's assign_why."""
     work_unit = result.work_unit
     project = work_unit.project
+    if work_unit.stage_kind:
+        return stage_assign_message(result, why=why)
     return {
         "type": "assign",
         "work_unit": {
@@ -286,7 +303,69 @@ def credit_message(event: dict[str, Any]) -> dict[str, Any]:
     return {"type": "credit", **{key: event[key] for key in keys}}
 
 
+def signal_message(message: Signal, *, sender: int) -> dict[str, Any]:
+    """What device `sender` said to this one: answer it with a `signal` whose `to` is `from`."""
+    fields = {"link": message.link, "kind": message.kind, "data": message.data}
+    return {"type": "signal", "from": sender, **fields}
+
+
 def error_message(code: str, message: str, *, work_unit: int | None = None) -> dict[str, Any]:
     """`work_unit` names the result a refusal is about, so the client knows which one to send again."""
     extra = {} if work_unit is None else {"work_unit": work_unit}
     return {"type": "error", "code": code, "message": message, **extra}
+
+
+def stage_assign_message(result: Result, *, why: str = "share") -> dict[str, Any]:
+    """A pipeline stage unit (docs/protocol.md "Stage units"): the stage's graph and weights, its input
+    activation (or, for stage 0, the shard), the gradient of its output (backward, not last), the seed and
+    the codecs. The shard also gives the last stage its targets."""
+    work_unit = result.work_unit
+    project = work_unit.project
+    stage = stages.unit_stage(work_unit=work_unit)
+    return {
+        "type": "assign",
+        "work_unit": {
+            "id": work_unit.pk,
+            "project": {"id": project.pk, "name": project.name, "why": why},
+            "model_version": work_unit.version.number,
+            "task": f"stage_{work_unit.stage_kind}",
+            "stage": _stage_fields(work_unit=work_unit, stage=stage),
+            "graph_url": _granted(result, work_unit.stage_graph_id),
+            "weights_url": _granted(result, work_unit.stage_weights_id),
+            "input_url": _granted(result, work_unit.input_blob_id),
+            "output_grad_url": _granted(result, work_unit.grad_blob_id),
+            "shards": [_stage_shard(result)],
+            "batch_size": work_unit.count,
+            "deadline": result.deadline.isoformat(),
+            "codec": "fp32",
+            "activation_codec": project.activation_codec,
+        },
+    }
+
+
+def _stage_fields(*, work_unit: WorkUnit, stage: Stage) -> dict[str, Any]:
+    return {
+        "index": stage.index,
+        "count": len(stages.project_partition(project=work_unit.project).stages),
+        "kind": work_unit.stage_kind,
+        "micro_batch": work_unit.micro_batch,
+        "step": work_unit.version.number,
+        "last": stage.last,
+        "needs_input_grad": stage.needs_input_grad,
+        "seed": stages.unit_seed(work_unit=work_unit),
+        "loss_scale": work_unit.loss_scale,
+    }
+
+
+def _granted(result: Result, sha256: str | None) -> str | None:
+    if sha256 is None:
+        return None
+    return stage_blob_url(sha256=sha256, user_id=result.volunteer_id, work_unit_id=result.work_unit_id)
+
+
+def _stage_shard(result: Result) -> dict[str, Any]:
+    work_unit = result.work_unit
+    url = shard_url(
+        sha256=work_unit.shard.blob_id, user_id=result.volunteer_id, project_id=work_unit.project_id
+    )
+    return {"url": url, "offset": work_unit.offset, "count": work_unit.count}

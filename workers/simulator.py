@@ -40,9 +40,11 @@ from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 from websockets.typing import Origin
 
-from engine import codecs, spec
+from engine import activations, codecs, spec
 from engine.flops import train_flops_per_sample
 from engine.graph import Graph, load_graph
+from engine.partition import Stage, StageMemory
+from engine.pipeline import stage_backward, stage_forward
 from engine.runtime import compute_gradients, local_steps
 
 logger = logging.getLogger(__name__)
@@ -156,6 +158,11 @@ class Unit:
     lr: float
     momentum: float
     codec: str
+    # Pipeline stage units (docs/protocol.md "Stage units"); None for data-parallel units.
+    stage: dict[str, Any] | None = None
+    input_url: str | None = None
+    output_grad_url: str | None = None
+    activation_codec: str = "fp16"
 
     @classmethod
     def parse(cls, raw: dict[str, Any]) -> Unit:
@@ -172,6 +179,10 @@ class Unit:
             lr=float(local.get("lr", 0.0)),
             momentum=float(local.get("momentum", 0.0)),
             codec=str(raw.get("codec", "int8")),
+            stage=raw.get("stage"),
+            input_url=raw.get("input_url"),
+            output_grad_url=raw.get("output_grad_url"),
+            activation_codec=str(raw.get("activation_codec", "fp16")),
         )
 
     @property
@@ -319,6 +330,65 @@ def honest_update(
     return result.grads, result.loss
 
 
+# --- pipeline stage units -----------------------------------------------------------------------------
+
+STAGE_LENGTH = struct.Struct("<Q")  # a backward payload's framing, as projects/stages.py reads it
+
+
+def unit_stage(graph: Graph, fields: dict[str, Any]) -> Stage:
+    """The engine's Stage for an assigned stage graph (what engine/pipeline.py needs of it)."""
+    memory = StageMemory(0, 0, 0, 0)
+    return Stage(
+        index=int(fields["index"]),
+        graph=graph,
+        nodes=range(0),
+        forward_flops=0,
+        backward_flops=0,
+        needs_input_grad=bool(fields["needs_input_grad"]),
+        last=bool(fields["last"]),
+        memory=memory,
+    )
+
+
+@dataclass(frozen=True)
+class StageInputs:
+    """What a stage unit reads: the samples of its micro-batch, and its activation blobs."""
+
+    x: torch.Tensor
+    y: torch.Tensor
+    input_blob: bytes | None
+    grad_blob: bytes | None
+
+
+def honest_stage_result(
+    graph: Graph, weights: Tensors, unit: Unit, inputs: StageInputs
+) -> tuple[bytes, float]:
+    """What an honest browser sends for a stage unit: the payload and the loss (0 but in the last stage)."""
+    assert unit.stage is not None
+    stage, fields, codec = unit_stage(graph, unit.stage), unit.stage, unit.activation_codec
+    feed = _stage_feed(stage, graph, unit, inputs)
+    seed = int(fields["seed"])
+    if fields["kind"] == "forward":
+        output = stage_forward(stage, weights, feed, seed=seed).output
+        return activations.encode(output, codec, kind="activation"), 0.0
+    output_grad = None
+    if not stage.last:
+        shape = list(stage_forward(stage, weights, feed, seed=seed).output.shape)
+        output_grad = activations.decode(inputs.grad_blob or b"", shape, kind="gradient", codec=codec)
+    targets = {graph.loss.inputs[1]: inputs.y} if stage.last else None
+    scale = float(fields.get("loss_scale") or 1.0)
+    done = stage_backward(stage, weights, feed, output_grad, targets=targets, loss_scale=scale, seed=seed)
+    grad = b"" if done.input_grad is None else activations.encode(done.input_grad, codec, kind="gradient")
+    return STAGE_LENGTH.pack(len(grad)) + grad + codecs.encode(done.grads, "fp32"), done.loss or 0.0
+
+
+def _stage_feed(stage: Stage, graph: Graph, unit: Unit, inputs: StageInputs) -> Any:
+    if stage.index == 0:
+        return {graph.inputs[0].name: inputs.x}
+    shape = [unit.samples, *graph.inputs[0].shape[1:]]
+    return activations.decode(inputs.input_blob or b"", shape, kind="activation", codec=unit.activation_codec)
+
+
 # --- the volunteer ------------------------------------------------------------------------------------
 
 
@@ -451,10 +521,11 @@ class Simulator:
         return data
 
     async def graph(self, url: str) -> tuple[Graph, int]:
-        if url not in self.graphs:
+        key = urllib.parse.urlsplit(url).path  # a stage graph's URL carries a grant, fresh every unit
+        if key not in self.graphs:
             graph = load_graph(await self.download(url))
-            self.graphs[url] = (graph, train_flops_per_sample(graph))
-        return self.graphs[url]
+            self.graphs[key] = (graph, train_flops_per_sample(graph))
+        return self.graphs[key]
 
     # --- the WebSocket session
 
@@ -647,6 +718,10 @@ class _Work:
         graph, flops = await self.sim.graph(self.unit.graph_url)
         weights = codecs.decode(await self.sim.download(self.unit.weights_url))[0]
         x, y = await self._samples()
+        if self.unit.stage is not None:
+            return await self._run_stage(
+                graph, flops, weights, StageInputs(x, y, *await self._blobs()), started
+            )
         download_ms = int((time.monotonic() - started) * 1000)
         update, loss, compute_s = await self._compute(graph, weights, x, y)
         device_s = self._device_time(compute_s, flops)
@@ -655,6 +730,28 @@ class _Work:
             return False
         self._maybe_fail()
         await self._send(self._payload(update), loss, int(device_s * 1000), download_ms)
+        return True
+
+    async def _blobs(self) -> tuple[bytes | None, bytes | None]:
+        """A stage unit's input activation and output gradient (None where it has none)."""
+        urls = (self.unit.input_url, self.unit.output_grad_url)
+        return tuple([await self.sim.download(url) if url else None for url in urls])  # type: ignore[return-value]
+
+    async def _run_stage(
+        self, graph: Graph, flops: int, weights: Tensors, inputs: StageInputs, started: float
+    ) -> bool:
+        """A pipeline stage unit, always honest: attacks are data-parallel updates (see _payload)."""
+        download_ms = int((time.monotonic() - started) * 1000)
+        began = time.monotonic()
+        payload, loss = await asyncio.to_thread(honest_stage_result, graph, weights, self.unit, inputs)
+        compute_s = time.monotonic() - began
+        self.sim.stats.compute_seconds += compute_s
+        device_s = self._device_time(compute_s, flops)
+        if not await self._wait(device_s - compute_s):
+            self.sim.stats.cancelled += 1
+            return False
+        self._maybe_fail()
+        await self._send(payload, loss, int(device_s * 1000), download_ms)
         return True
 
     def _device_time(self, compute_s: float, flops_per_sample: int) -> float:

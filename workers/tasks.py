@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 from celery import shared_task
+from django.conf import settings
 
+from workers.liveness import devices_sweep
 from workers.stats import stats_export
 
 
@@ -11,3 +13,9 @@ from workers.stats import stats_export
 def export_stats() -> dict[str, int]:
     """The daily statistics dumps (workers/stats.py); beat runs it (CELERY_BEAT_SCHEDULE)."""
     return stats_export()
+
+
+@shared_task(ignore_result=True)
+def sweep_devices() -> int:
+    """Devices whose connection died uncleanly (workers/liveness.py); beat runs it every heartbeat."""
+    return devices_sweep(stale_seconds=settings.SOCKET_STALE_SECONDS)

@@ -92,7 +92,11 @@ def stage_counts(name: str) -> list[int]:
     return [s for s in (2, 3, 4) if s <= len(cut_points(model(name)[0])) + 1]
 
 
-CASES = [(name, s) for name in MODELS for s in (2, 3, 4)]
+# The three largest models (20-60 s a case on this machine) are chained at one stage count; every count is
+# covered by the others, and the micro-batch sum, a property of loss scaling, by the lighter models.
+HEAVY = {"resnet18", "tv_resnet18", "tv_mobilenet_v3_small"}
+CASES = [(name, s) for name in MODELS for s in ((3,) if name in HEAVY else (2, 3, 4))]
+LIGHT = [name for name in MODELS if name not in HEAVY]
 
 
 def _skip_unless_cuttable(name: str, stages: int) -> None:
@@ -212,7 +216,7 @@ def test_chained_stages_reproduce_the_whole_graph(name: str, stages: int) -> Non
     print(f"{name} S={stages}: max error {error:.1e}, balance {p.balance:.3f}")
 
 
-@pytest.mark.parametrize("name", MODELS)
+@pytest.mark.parametrize("name", LIGHT)
 def test_micro_batch_gradients_sum_to_the_batch_gradient(name: str) -> None:
     graph, weights = model(name)
     p = partition(graph, max(stage_counts(name)[:2] or [1]), MemoryModel(micro_batch=3))

@@ -33,6 +33,7 @@ def test_seed_demo_creates_the_mnist_project_once(admin: User) -> None:
     project = Project.objects.get(name="MNIST MLP (demo)")
     assert project.status == Project.Status.RUNNING
     assert project.owner == admin and project.preset == "mlp"
+    assert project.crowd_rounds  # its rounds grow with the volunteers connected
     dataset = project.dataset
     assert (dataset.train_samples, dataset.test_samples) == (9000, 1000)
     assert dataset.input_shape == [1, 28, 28] and dataset.num_classes == 10

@@ -191,7 +191,7 @@ function contributePage({ storedId = null } = {}) {
     close() {}
   }
   const localStorage = { getItem: () => page.stored, setItem: (key, value) => { page.stored = value; } };
-  page.window = load(["frontend/static/engine/spec.js", "frontend/static/frontend/contribute.js"], {
+  page.window = load(["frontend/static/engine/spec.js", "frontend/static/frontend/backoff.js", "frontend/static/frontend/contribute.js"], {
     document, Worker, WebSocket, localStorage, crypto, performance, location: { protocol: "http:", host: "test" },
     setTimeout: (fn, ms) => page.timers.push(ms), clearTimeout: () => {}, setInterval: () => 0, clearInterval: () => {},
     navigator: { userAgent: "node" }, addEventListener: () => {},

@@ -581,7 +581,8 @@
       "progress",
       "result",
       "release",
-      "bye"
+      "bye",
+      "signal"
     ],
     "server_messages": [
       "welcome",
@@ -591,7 +592,8 @@
       "ack",
       "credit",
       "idle",
-      "error"
+      "error",
+      "signal"
     ],
     "preferences": {
       "duty_cycle_percent": [
@@ -613,6 +615,15 @@
     "close_codes": {
       "unauthenticated": 4401,
       "throttled": 4429
+    },
+    "signal": {
+      "kinds": [
+        "offer",
+        "answer",
+        "candidate"
+      ],
+      "max_data": 16384,
+      "link_pattern": "^[A-Za-z0-9_-]{1,64}$"
     }
   }
 });

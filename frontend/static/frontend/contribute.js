@@ -16,7 +16,7 @@
   const WORKER_URL = app.dataset.workerUrl || "/static/frontend/worker.js";
   const SOCKET_PATH = app.dataset.socketPath || "/ws/volunteer/";
   const SOCKET_URL = app.dataset.socketUrl; // optional absolute ws(s):// URL (separate WebSocket host)
-  const BACKOFF_MS = [1000, 2000, 5000, 10000, 30000];
+  const { reconnectDelay } = self.crowdtrain.backoff; // backoff.js: full-jitter exponential back-off
   const THROTTLED = PROTOCOL.close_codes.throttled; // too many connects in the last minute (docs/protocol.md)
   const THROTTLED_MS = 60000;
   const BUSY_RETRY_MS = 5000; // a result refused with `busy` is sent again after this (jittered)
@@ -321,7 +321,6 @@
     socket.binaryType = "arraybuffer";
     s.socket = socket;
     socket.onopen = () => {
-      s.retries = 0;
       s.asking = false; // a new connection owes us nothing
       s.unacked.clear();
       send({ type: "hello", protocol: PROTOCOL.version, device: s.device });
@@ -340,11 +339,10 @@
     s.socket = null;
     if (!s.running) return;
     const throttled = code === THROTTLED;
-    const base = throttled ? THROTTLED_MS : BACKOFF_MS[Math.min(s.retries, BACKOFF_MS.length - 1)];
-    const delay = base * (0.75 + Math.random() / 2);
+    const delay = (throttled ? THROTTLED_MS : 0) + reconnectDelay(s.retries);
     s.retries++;
     const why = t(throttled ? "throttled" : "connection_lost");
-    setStatus(t("status_reconnecting", { why, seconds: Math.round(delay / 1000) }), "error");
+    setStatus(t("status_reconnecting", { why, seconds: Math.ceil(delay / 1000) }), "error");
     s.reconnectTimer = setTimeout(connect, delay);
   }
 
@@ -373,6 +371,7 @@
 
   const handlers = {
     welcome(msg) {
+      s.retries = 0; // not at open: a server that accepts and then drops sockets still gets backed off from
       if (msg.volunteer) setFlops("credit", msg.volunteer.credit_flops || 0);
       log(t("log_connected", { username: msg.volunteer ? msg.volunteer.username : "" }));
       if (msg.preferences) applyPreferences(msg.preferences);
@@ -431,6 +430,9 @@
       s.idle = PROTOCOL.idle_reasons.includes(msg.reason) ? msg.reason : "no_work";
       showWork();
     },
+    // Pipeline mode's peer ring (ring.js SocketSignals.route): this page opens no links yet, and a peer's
+    // offer to a page that did not ask for it goes unanswered.
+    signal() {},
     error(msg) {
       if (msg.code === "busy" && msg.work_unit !== undefined) resendLater(msg.work_unit); // a result
       else if (msg.code === "busy") s.asking = false; // that `ready` was refused, not queued

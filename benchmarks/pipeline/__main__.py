@@ -1,0 +1,3 @@
+from benchmarks.pipeline.run import main
+
+main()

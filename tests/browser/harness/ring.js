@@ -1,0 +1,54 @@
+// Test-only glue for the peer ring (tests/browser/test_ring.py): one PeerLink per page, its signals and
+// relayed payloads carried by the test (Playwright bindings toPeer / relayToPeer). Attaches self.ringHarness.
+"use strict";
+(function () {
+  const { PeerLink } = self.crowdtrain.ring;
+  const received = [];
+
+  function fromB64(s) {
+    const bin = atob(s);
+    const out = new Uint8Array(bin.length);
+    for (let i = 0; i < bin.length; i++) out[i] = bin.charCodeAt(i);
+    return out;
+  }
+
+  function toB64(bytes) {
+    let bin = "";
+    for (let i = 0; i < bytes.length; i += 0x8000) bin += String.fromCharCode.apply(null, bytes.subarray(i, i + 0x8000));
+    return btoa(bin);
+  }
+
+  const signal = { send: (msg) => self.toPeer(msg), onmessage: null };
+  let link = null;
+  let opening = null;
+
+  // Not awaited by the test: the answerer's open() resolves only once the initiator's offer has come.
+  function start(initiator, openTimeoutMs) {
+    const relay = (bytes) => self.relayToPeer(toB64(bytes));
+    link = new PeerLink({ signal, initiator, relay, openTimeoutMs });
+    link.onpayload = (bytes, digest) => received.push({ length: bytes.length, digest });
+    opening = link.open();
+  }
+
+  async function send(b64) {
+    return link.send(fromB64(b64));
+  }
+
+  function waitReceived(count) {
+    return new Promise((resolve) => {
+      const poll = () => (received.length >= count ? resolve(received.slice()) : setTimeout(poll, 20));
+      poll();
+    });
+  }
+
+  self.ringHarness = {
+    start,
+    opened: () => opening,
+    send,
+    waitReceived,
+    fromPeer: (msg) => signal.onmessage && signal.onmessage(msg),
+    relayed: (b64) => link.deliverRelayed(fromB64(b64)),
+    raw: (b64) => link.channel.send(fromB64(b64)), // bytes straight onto the channel, as a hostile peer's
+    stats: () => ({ ...link.stats, via: link.via, error: link.error || null }),
+  };
+})();

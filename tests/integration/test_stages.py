@@ -1,0 +1,103 @@
+"""projects/stages.py: pipeline partitions, feeding, unit FLOPs and seeds, the backward payload's framing."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from django.contrib.auth.models import User
+
+from engine.pipeline import StageUnitError
+from projects import lifecycle, stages
+from projects.models import Project, WorkUnit
+from projects.services import ProjectError, project_create, project_start, project_update
+
+pytestmark = pytest.mark.django_db
+
+
+def pipeline(researcher: User, dataset: Any, **settings: Any) -> Project:
+    chosen = {"mode": "pipeline", "pipeline_stages": 3, "micro_batches": 2, "batch_size": 10, **settings}
+    project = project_create(owner=researcher, name="Pipe", dataset=dataset, preset="mlp", settings=chosen)
+    return project_start(project=project)
+
+
+def test_a_step_is_fed_once_with_one_first_unit_per_micro_batch(
+    researcher: User, digits_dataset: Any
+) -> None:
+    project = pipeline(researcher, digits_dataset)
+    lifecycle.work_units_feed(project_id=project.pk)
+    assert lifecycle.work_units_feed(project_id=project.pk) == 0
+    units = WorkUnit.objects.filter(project=project).order_by("micro_batch")
+    assert [(u.stage_kind, u.stage, u.micro_batch, u.offset) for u in units] == [
+        ("forward", 0, 0, 0),
+        ("forward", 0, 1, 10),
+    ]
+    assert sum(u.loss_scale or 0 for u in units) == pytest.approx(1.0)
+    assert all(u.stage_graph_id and u.stage_weights_id and u.input_blob_id is None for u in units)
+
+
+def test_unit_flops_count_the_stage_not_the_model(researcher: User, digits_dataset: Any) -> None:
+    project = pipeline(researcher, digits_dataset)
+    lifecycle.work_units_feed(project_id=project.pk)
+    unit = WorkUnit.objects.filter(project=project).first()
+    assert unit is not None
+    first = stages.project_partition(project=project).stages[0]
+    assert stages.unit_flops(work_unit=unit) == first.forward_flops * unit.count
+    unit.stage_kind = "backward"
+    assert stages.unit_flops(work_unit=unit) == (first.forward_flops + first.backward_flops) * unit.count
+    unit.stage_kind = ""
+    assert stages.unit_flops(work_unit=unit) == project.flops_per_sample * unit.count
+
+
+def test_forward_and_backward_of_a_stage_share_a_seed(researcher: User, digits_dataset: Any) -> None:
+    project = pipeline(researcher, digits_dataset)
+    lifecycle.work_units_feed(project_id=project.pk)
+    first, second = WorkUnit.objects.filter(project=project).order_by("micro_batch")
+    seed = stages.unit_seed(work_unit=first)
+    first.stage_kind = "backward"
+    assert stages.unit_seed(work_unit=first) == seed != stages.unit_seed(work_unit=second)
+
+
+@pytest.mark.parametrize(("stage_count", "backward"), [(2, 1), (3, 3)])
+def test_the_backward_chain_ends_where_nothing_before_trains(
+    researcher: User, digits_dataset: Any, stage_count: int, backward: int
+) -> None:
+    # The MLP's two-stage cut is after `flatten`: stage 0 has no params, so it needs no backward unit.
+    project = pipeline(researcher, digits_dataset, pipeline_stages=stage_count)
+    assert stages.backward_units(project=project) == backward
+
+
+def test_a_data_parallel_project_cannot_be_switched_to_a_budget_it_exceeds(
+    researcher: User, digits_dataset: Any
+) -> None:
+    project = pipeline(researcher, digits_dataset, batch_size=25)
+    with pytest.raises(ProjectError, match="Choose the pipeline mode"):
+        project_update(project=project, changes={"mode": "sync_sgd", "device_memory_mb": 1})
+    project_update(project=project, changes={"mode": "pipeline", "device_memory_mb": 1, "pipeline_stages": 0})
+
+
+def test_pipeline_mode_refuses_more_stages_than_cut_points(researcher: User, digits_dataset: Any) -> None:
+    with pytest.raises(ProjectError, match="cannot cut"):
+        pipeline(researcher, digits_dataset, pipeline_stages=9)
+
+
+@pytest.mark.parametrize("payload", [b"", b"\x01\x02", stages.LENGTH.pack(9) + b"short"])
+def test_a_backward_payload_whose_length_runs_past_its_end_is_refused(payload: bytes) -> None:
+    with pytest.raises(StageUnitError):
+        stages.payload_split(payload)
+
+
+def test_a_backward_payload_splits_into_its_two_parts() -> None:
+    assert stages.payload_split(stages.backward_payload(input_grad=b"ab", grads=b"cde")) == (b"ab", b"cde")
+
+
+def test_a_stage_unit_is_sent_again_however_often_it_fails(researcher: User, digits_dataset: Any) -> None:
+    # A data-parallel slice is given up after 3 failed instances; a step cannot complete without each unit.
+    project = pipeline(researcher, digits_dataset)
+    lifecycle.work_units_feed(project_id=project.pk)
+    unit = WorkUnit.objects.filter(project=project).first()
+    assert unit is not None
+    for _ in range(5):
+        lifecycle.work_unit_fail(work_unit=unit)
+    unit.refresh_from_db()
+    assert unit.is_open and unit.wanted == 6
