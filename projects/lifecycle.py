@@ -108,19 +108,18 @@ def _round_plan(*, project: Project, version: ModelVersion) -> int:
     """Samples per work unit of the round fed now. A crowd-sized round (Project.crowd_rounds) has a work unit
     for every connected volunteer who may work, at least round_samples / batch_size of them: sync SGD shares
     the researcher's target batch between them; averaging gives each unit target_seconds of local steps on
-    the median connected device, so the round grows with the crowd. Its target is fixed once, when first
+    the median connected device, so the round grows with the crowd, and its target is fixed once, when first
     fed (version.round_target), so that volunteers joining mid-round do not hold it open."""
     if not project.crowd_rounds or project.mode == Project.Mode.ASYNC_SGD:
         return project.batch_size
     speeds = _connected_speeds()
     units = max(math.ceil(project.round_samples / project.batch_size), len(speeds))
-    if project.mode == Project.Mode.AVERAGING:
-        size = max(project.batch_size, project.work_unit_samples(gflops=median(speeds or [1.0])))
-        target = units * size
-    else:
-        size, target = math.ceil(project.round_samples / units), project.round_samples
+    if project.mode != Project.Mode.AVERAGING:
+        # Sync keeps the researcher's round_samples as the live target, so a change mid-round still applies.
+        return math.ceil(project.round_samples / units)
+    size = max(project.batch_size, project.work_unit_samples(gflops=median(speeds or [1.0])))
     if version.round_target is None:
-        version.round_target = target
+        version.round_target = units * size
         version.save(update_fields=["round_target"])
     return size
 

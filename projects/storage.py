@@ -324,6 +324,10 @@ KINDS: dict[str, tuple[tuple[type[models.Model], str, str], ...]] = {
     ),
     "results": ((Result, "blob", "work_unit__project_id"),),
     "references": ((WorkUnit, "reference", "project_id"),),
+    # Pipeline mode: stage graphs and weights per version, activations and their gradients per unit.
+    "stages": tuple(
+        (WorkUnit, name, "project_id") for name in ("input_blob", "grad_blob", "stage_graph", "stage_weights")
+    ),
     "shards": ((DatasetShard, "blob", "dataset__projects__id"),),
     "graphs": ((Project, "graph", "id"),),
 }

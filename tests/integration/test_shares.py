@@ -134,9 +134,9 @@ def owner_client(researcher: User) -> Client:
 
 def change_form(project: Project, **overrides: str) -> dict[str, str]:
     fields = {"name": project.name, "description": project.description, "_save": "Save"}
-    for key in [*TRAINING_SETTINGS]:
-        fields[key] = str(getattr(project, key))
-    fields["target_value"] = "" if project.target_value is None else str(project.target_value)
+    for key in TRAINING_SETTINGS:
+        value = getattr(project, key)
+        fields[key] = "" if value is None else str(value)  # an empty optional field posts as ""
     return {**fields, **overrides}
 
 

@@ -36,8 +36,15 @@ KNOWN_REFERENCES = [
     (ModelVersion, "wire_weights"),
     (Project, "graph"),
     (Result, "blob"),
+    (WorkUnit, "grad_blob"),
+    (WorkUnit, "input_blob"),
     (WorkUnit, "reference"),
+    (WorkUnit, "stage_graph"),
+    (WorkUnit, "stage_weights"),
 ]
+
+
+WORK_UNIT_REFERENCES = ("grad_blob", "input_blob", "reference", "stage_graph", "stage_weights")
 
 
 def old_blob(data: bytes) -> Blob:
@@ -73,7 +80,7 @@ def _rows(project: Project, volunteer: User) -> dict[tuple[type[models.Model], s
         (ModelVersion, "wire_weights"): version,
         (Project, "graph"): project,
         (Result, "blob"): result,
-        (WorkUnit, "reference"): result.work_unit,
+        **{(WorkUnit, name): result.work_unit for name in WORK_UNIT_REFERENCES},
     }
 
 
