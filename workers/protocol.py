@@ -248,6 +248,16 @@ def idle_message(reason: str) -> dict[str, Any]:
     return {"type": "idle", "reason": reason}
 
 
+def _unit_header(work_unit: WorkUnit, *, why: str) -> dict[str, Any]:
+    """What every assign names first, whatever the unit: the unit, its project and why, its model version."""
+    project = work_unit.project
+    return {
+        "id": work_unit.pk,
+        "project": {"id": project.pk, "name": project.name, "why": why},
+        "model_version": work_unit.version.number,
+    }
+
+
 def assign_message(result: Result, *, why: str = "share") -> dict[str, Any]:
     """`why` the project was chosen: spec.json's assign_why."""
     work_unit = result.work_unit
@@ -257,9 +267,7 @@ def assign_message(result: Result, *, why: str = "share") -> dict[str, Any]:
     return {
         "type": "assign",
         "work_unit": {
-            "id": work_unit.pk,
-            "project": {"id": project.pk, "name": project.name, "why": why},
-            "model_version": work_unit.version.number,
+            **_unit_header(work_unit, why=why),
             "task": project.task,
             "graph_url": project.graph.url,
             "weights_url": work_unit.version.wire_blob.url,
@@ -325,9 +333,7 @@ def stage_assign_message(result: Result, *, why: str = "share") -> dict[str, Any
     return {
         "type": "assign",
         "work_unit": {
-            "id": work_unit.pk,
-            "project": {"id": project.pk, "name": project.name, "why": why},
-            "model_version": work_unit.version.number,
+            **_unit_header(work_unit, why=why),
             "task": f"stage_{work_unit.stage_kind}",
             "stage": _stage_fields(work_unit=work_unit, stage=stage),
             "graph_url": _granted(result, work_unit.stage_graph_id),

@@ -5,18 +5,7 @@
   const { PeerLink } = self.crowdtrain.ring;
   const received = [];
 
-  function fromB64(s) {
-    const bin = atob(s);
-    const out = new Uint8Array(bin.length);
-    for (let i = 0; i < bin.length; i++) out[i] = bin.charCodeAt(i);
-    return out;
-  }
-
-  function toB64(bytes) {
-    let bin = "";
-    for (let i = 0; i < bytes.length; i += 0x8000) bin += String.fromCharCode.apply(null, bytes.subarray(i, i + 0x8000));
-    return btoa(bin);
-  }
+  const { fromB64, toB64 } = self.harnessB64;
 
   const signal = { send: (msg) => self.toPeer(msg), onmessage: null };
   let link = null;
