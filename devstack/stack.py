@@ -43,8 +43,15 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+# Several checkouts on one machine (a developer's worktrees) run their stacks side by side: each sets its own
+# database-name prefix and Redis server, so one run's DROP DATABASE or FLUSHDB never hits another's.
+DATABASE_PREFIX = os.environ.get("CROWDTRAIN_STACK_DB_PREFIX", "")
+REDIS_SERVER = os.environ.get("CROWDTRAIN_STACK_REDIS", "redis://127.0.0.1:6379")
+
+
 def recreate_database(name: str) -> str:
     admin_url = os.environ.get("E2E_ADMIN_DATABASE_URL", "postgresql://postgres@127.0.0.1:5432/postgres")
+    name = DATABASE_PREFIX + name
     with psycopg.connect(admin_url, autocommit=True) as conn:
         conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
         conn.execute(f'CREATE DATABASE "{name}"')
@@ -82,7 +89,7 @@ class Stack:
         env = {k: v for k, v in os.environ.items() if k != "CELERY_TASK_ALWAYS_EAGER"}
         env.update(
             DATABASE_URL=self.database_url,
-            REDIS_URL=f"redis://127.0.0.1:6379/{self.redis_db}",
+            REDIS_URL=f"{REDIS_SERVER}/{self.redis_db}",
             CROWDTRAIN_VAR_DIR=str(self.var_dir),
             CROWDTRAIN_ADMIN_USER="admin",
             CROWDTRAIN_ADMIN_PASSWORD="admin-e2e-password",
