@@ -214,7 +214,7 @@ def test_compressed_activations_train_to_sync_accuracy(capsys: pytest.CaptureFix
     graph, weights = load_graph(exported("mlp")[0]), exported("mlp")[1]
     opt = Sgd(lr=0.1, momentum=0.9)
     recipe = baseline.Recipe("sync_sgd", ACCURACY_BATCH, ACCURACY_BATCH, opt.lr, opt.momentum, 0.0, 0, 0, 1)
-    sync, state = dict(weights), {}
+    sync, state = dict(weights), dict[str, Tensor]()
     for x, y in data:
         step = baseline.step(graph, sync, state, x, y, recipe)
         sync, state = step.weights, step.state
