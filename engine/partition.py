@@ -3,10 +3,12 @@
 A stage boundary may fall between two consecutive nodes only where exactly one tensor is live across it:
 one batched float32 activation, and no graph input or other activation (so residual blocks, whose skip is
 live beside the branch, stay whole). The graph format has one output per graph, which is why a boundary
-carries exactly one tensor. Among those cut points the partition with the smallest bottleneck (most FLOPs
-per sample of one stage's units) is chosen by dynamic programming, subject to every stage fitting a
-per-device memory budget. Each stage is an ordinary graph that load_graph accepts and both interpreters
-run; engine/pipeline.py executes its forward and backward work units on the server.
+carries exactly one tensor. Among those cut points the partition whose GPipe step of M micro-batches is
+shortest (gpipe_makespan: the bottleneck stage, plus the fill and drain of the stages before it), or
+without M the smallest bottleneck (most FLOPs per sample of one stage's units), is chosen by dynamic
+programming, subject to every stage fitting a per-device memory budget. Each stage is an ordinary graph
+that load_graph accepts and both interpreters run; engine/pipeline.py executes its forward and backward
+work units on the server.
 """
 
 from __future__ import annotations
@@ -33,12 +35,15 @@ from engine.graph import (
 
 MAX_STAGES = 64
 MAX_MICRO_BATCH = 1 << 20
+MAX_MICRO_BATCHES = 1 << 12  # per step (GPipe's M)
 MAX_OPTIMIZER_SLOTS = 4
 VALUE_BYTES = 4  # params, buffers, gradients and optimizer state are float32
 OUTPUT_GRAD = "stage:output_grad"  # a non-last stage's target: the gradient of its output
 _BATCHES = (2, 3)  # shapes are inferred at two batch sizes: the difference is what one sample adds
 
 Matrix = npt.NDArray[np.float64]
+Vector = npt.NDArray[np.float64]
+Starts = npt.NDArray[np.intp]
 Mask = npt.NDArray[np.bool_]
 Combine = Callable[[Matrix, Matrix], Matrix]
 
@@ -146,6 +151,18 @@ class Partition:
         """Largest stage's step FLOPs over the mean (1.0 is perfect balance)."""
         work = [s.step_flops for s in self.stages]
         return max(work) / max(sum(work) / len(work), 1e-300)
+
+    def makespan(self, micro_batches: int) -> float:
+        """FLOPs per sample on the critical path of a GPipe step (gpipe_makespan): the step's time with
+        one worker per stage, all of one speed, and no link time."""
+        *first, last = self.stages
+        forward, backward = [s.forward_unit_flops for s in first], [s.backward_unit_flops for s in first]
+        return gpipe_makespan(forward, backward, last.backward_unit_flops, micro_batches)
+
+    def bubble(self, micro_batches: int) -> float:
+        """The share of the workers' time idle in that step: GPipe's (S-1)/(M+S-1) for equal stages."""
+        busy = micro_batches * sum(s.step_flops for s in self.stages)
+        return 1.0 - busy / max(len(self.stages) * self.makespan(micro_batches), 1e-300)
 
     @property
     def shared_params(self) -> tuple[str, ...]:
@@ -290,7 +307,9 @@ def cut_points(graph: Graph) -> tuple[Cut, ...]:
 @dataclass(frozen=True)
 class _Ranges:
     units: tuple[range, ...]
-    work: Matrix  # step FLOPs per sample of a stage made of units i..j
+    forward: Matrix  # FLOPs per sample of the forward pass of units i..j (a non-last stage's forward unit)
+    unit: Matrix  # the same plus the backward pass: a backward unit, or the last stage's one unit
+    work: Matrix  # step FLOPs per sample of a stage made of units i..j (forward + unit; unit if last)
     params: Matrix  # bytes
     buffers: Matrix
     activations: Matrix  # bytes for one micro-batch
@@ -334,12 +353,13 @@ def _names_bytes(a: _Analysis, units: tuple[range, ...], names: Iterable[str]) -
     return out + _span_sums(local)
 
 
-def _work(a: _Analysis, units: tuple[range, ...]) -> Matrix:
+def _passes(a: _Analysis, units: tuple[range, ...]) -> tuple[Matrix, Matrix, Matrix]:
+    """(forward, unit, work) matrices: see _Ranges."""
     forward = _span_sums(sum(a.flops[k][0] for k in r) for r in units)
-    backward = _span_sums(sum(a.flops[k][1] for k in r) for r in units)
-    work = 2 * forward + backward  # forward unit, then the backward unit recomputing the forward
-    work[:, -1] = forward[:, -1] + backward[:, -1]  # the last stage's one unit runs each pass once
-    return work
+    unit = forward + _span_sums(sum(a.flops[k][1] for k in r) for r in units)
+    work = forward + unit  # forward unit, then the backward unit recomputing the forward
+    work[:, -1] = unit[:, -1]  # the last stage's one unit runs each pass once
+    return forward, unit, work
 
 
 def _activations(a: _Analysis, units: tuple[range, ...], batch: int) -> Matrix:
@@ -357,7 +377,7 @@ def _ranges(a: _Analysis, batch: int) -> _Ranges:
     params = _names_bytes(a, units, (p.name for p in a.graph.params))
     buffers = _names_bytes(a, units, (b.name for b in a.graph.buffers))
     crossing = np.asarray([0, *(a.bytes_at(c.value, 1) for c in a.cuts)], dtype=np.float64)
-    return _Ranges(units, _work(a, units), params, buffers, _activations(a, units, batch), crossing)
+    return _Ranges(units, *_passes(a, units), params, buffers, _activations(a, units, batch), crossing)
 
 
 # ---------------------------------------------------------------- choosing the cuts
@@ -365,40 +385,112 @@ def _ranges(a: _Analysis, batch: int) -> _Ranges:
 
 def _split(
     cost: Matrix, allowed: Mask, stages: int, combine: Combine = np.maximum
-) -> tuple[float, list[int]]:
-    """Split units 0..n-1 into ``stages`` runs over allowed runs [i..j], minimising the runs' costs
-    combined by ``combine`` (np.maximum: the bottleneck; np.add: a total).
+) -> tuple[Vector, list[Starts]]:
+    """Split units 0..j into ``stages`` runs over allowed runs [i..j], minimising the runs' costs combined
+    by ``combine`` (np.maximum: the bottleneck; np.add: a total), for every last unit j at once.
 
-    Returns the optimum (inf if no split is allowed) and the first unit of each stage.
+    Returns the optimum for each j (inf where no split is allowed) and what _backtrack reads.
     """
     n = cost.shape[0]
     valid = np.triu(allowed)
-    best = np.where(valid[0], cost[0], np.inf)
-    starts: list[npt.NDArray[np.intp]] = []
+    best: Vector = np.where(valid[0], cost[0], np.inf)
+    starts: list[Starts] = []
     for _ in range(1, stages):
         before = np.concatenate([[np.inf], best[:-1]])  # best split of units 0..i-1
         candidate = np.where(valid, combine(before[:, None], cost), np.inf)
         starts.append(np.argmin(candidate, axis=0))
         best = candidate[starts[-1], np.arange(n)]
-    return float(best[-1]), _backtrack(starts, n)
+    return best, starts
 
 
-def _cheapest_split(ranges: _Ranges, allowed: Mask, stages: int) -> tuple[float, list[int]]:
-    """The smallest bottleneck; among the splits that reach it, the one sending the fewest bytes across
-    stage boundaries (volunteers' links are the scarce resource)."""
-    worst, firsts = _split(ranges.work, allowed, stages)
-    if worst == math.inf:
-        return worst, firsts
-    crossing = np.broadcast_to(ranges.crossing[:, None], ranges.work.shape)
-    return worst, _split(crossing, allowed & (ranges.work <= worst), stages, np.add)[1]
-
-
-def _backtrack(starts: list[npt.NDArray[np.intp]], n: int) -> list[int]:
-    firsts, end = [0], n - 1
+def _backtrack(starts: list[Starts], end: int) -> list[int]:
+    """The first unit of each stage of the split of units 0..end that _split found."""
+    firsts = [0]
     for chosen in reversed(starts):
         firsts.insert(1, int(chosen[end]))
         end = firsts[1] - 1
     return firsts
+
+
+def _fewest_bytes(ranges: _Ranges, allowed: Mask, stages: int, end: int) -> list[int]:
+    """Among the allowed splits of units 0..end, the one sending the fewest bytes across stage boundaries
+    (volunteers' links are the scarce resource)."""
+    crossing = np.broadcast_to(ranges.crossing[:, None], ranges.work.shape)
+    return _backtrack(_split(crossing, allowed, stages, np.add)[1], end)
+
+
+def _cheapest_split(ranges: _Ranges, allowed: Mask, stages: int) -> tuple[float, list[int]]:
+    """The smallest bottleneck (the most step FLOPs of one stage); among the splits that reach it, the
+    fewest bytes."""
+    worst = float(_split(ranges.work, allowed, stages)[0][-1])
+    if worst == math.inf:
+        return worst, []
+    return worst, _fewest_bytes(ranges, allowed & (ranges.work <= worst), stages, len(ranges.units) - 1)
+
+
+def gpipe_makespan(
+    forward: Sequence[float], backward: Sequence[float], last: float, micro_batches: int
+) -> float:
+    """How long a GPipe step of ``micro_batches`` takes with one worker per stage and no link time:
+    non-last stage k's forward unit takes ``forward[k]`` and its backward unit ``backward[k]``, the last
+    stage's one unit ``last``. The makespan of engine/schedule.py's timetable, as its longest path: with
+    N the non-last stages' total, F and B their longest forward and backward unit,
+
+        N + max(last + (M-1) max(F, B, last), (M-1)(F + B))
+
+    (micro-batches queue on the slowest unit; or a non-last stage runs all its forwards before its first
+    backward). Equal stages of step time T give (M+S-1) T, GPipe's; a heavy stage costs more the later
+    it sits, since every stage before it fills and drains around it.
+    """
+    before, f, b = sum(forward) + sum(backward), max(forward, default=0.0), max(backward, default=0.0)
+    m = micro_batches - 1
+    return before + max(last + m * max(f, b, last), m * (f + b))
+
+
+def _fastest_split(
+    ranges: _Ranges, allowed: Mask, stages: int, micro_batches: int
+) -> tuple[float, list[int]]:
+    """The split whose GPipe step of ``micro_batches`` is shortest (gpipe_makespan); among those, the
+    fewest bytes.
+
+    The makespan depends on where the last stage starts (unit i) and, of the non-last stages before it,
+    only on their longest forward and backward units. For each i, the units before it are split three
+    ways (the smallest bottleneck of step FLOPs, of backward units, of forward units) and the best is kept.
+    """
+    n = len(ranges.units)
+    last_ok = allowed[:, n - 1]
+    if stages == 1:
+        return (micro_batches * ranges.unit[0, n - 1] if last_ok[0] else math.inf), [0]
+    options: dict[tuple[int, float, float], float] = {}  # (last start, F, B) -> makespan
+    for cost in (ranges.work, ranges.unit, ranges.forward):
+        best, starts = _split(cost, allowed, stages - 1)
+        for i in range(stages - 1, n):
+            if last_ok[i] and best[i - 1] < math.inf:
+                spans = _spans(_backtrack(starts, i - 1), i)
+                forward = [float(ranges.forward[s]) for s in spans]
+                backward = [float(ranges.unit[s]) for s in spans]
+                time = gpipe_makespan(forward, backward, float(ranges.unit[i, n - 1]), micro_batches)
+                options[(i, max(forward), max(backward))] = time
+    if not options:
+        return math.inf, []
+    fastest = min(options.values())
+    ties = [key for key, t in options.items() if t <= fastest * (1 + 1e-12)]
+    splits = [_fewest_bytes_before(ranges, allowed, stages, *key) for key in ties]
+    return fastest, min(splits, key=lambda firsts: sum(ranges.crossing[firsts]))
+
+
+def _spans(firsts: list[int], end: int) -> list[tuple[int, int]]:
+    """[i, j] of each stage of a split of units 0..end - 1 starting at ``firsts``."""
+    return [(i, j - 1) for i, j in zip(firsts, [*firsts[1:], end], strict=True)]
+
+
+def _fewest_bytes_before(
+    ranges: _Ranges, allowed: Mask, stages: int, last: int, f: float, b: float
+) -> list[int]:
+    """The last stage from unit ``last``; before it, the fewest bytes among splits whose forward and
+    backward units take at most ``f`` and ``b`` (so the makespan is no longer)."""
+    fits = allowed & (ranges.forward <= f) & (ranges.unit <= b)
+    return [*_fewest_bytes(ranges, fits, stages - 1, last - 1), last]
 
 
 def _refuse_memory(a: _Analysis, ranges: _Ranges, stages: int, model: MemoryModel) -> PartitionError:
@@ -413,10 +505,9 @@ def _refuse_memory(a: _Analysis, ranges: _Ranges, stages: int, model: MemoryMode
 
 def _leanest_split(ranges: _Ranges, stages: int, slots: int) -> StageMemory:
     """The memory of the largest stage of the split that needs the least memory per device."""
-    total = ranges.total_memory(slots)
-    _, firsts = _split(total, np.ones_like(total, dtype=bool), stages)
-    spans = [(i, j - 1) for i, j in zip(firsts, [*firsts[1:], len(ranges.units)], strict=True)]
-    return ranges.memory(*max(spans, key=lambda s: total[s]), slots)
+    total, n = ranges.total_memory(slots), len(ranges.units)
+    firsts = _backtrack(_split(total, np.ones_like(total, dtype=bool), stages)[1], n - 1)
+    return ranges.memory(*max(_spans(firsts, n), key=lambda s: total[s]), slots)
 
 
 def _largest_piece(a: _Analysis, ranges: _Ranges, slots: int, budget: int) -> str:
@@ -444,14 +535,24 @@ def _check_stages(a: _Analysis, stages: int) -> None:
         )
 
 
-def partition(graph: Graph, stages: int, memory: MemoryModel | None = None) -> Partition:
-    """Cut ``graph`` into ``stages`` stages with the smallest bottleneck that fits ``memory``'s budget."""
+def partition(
+    graph: Graph, stages: int, memory: MemoryModel | None = None, *, micro_batches: int | None = None
+) -> Partition:
+    """Cut ``graph`` into ``stages`` stages that fit ``memory``'s budget: those whose GPipe step of
+    ``micro_batches`` is shortest (gpipe_makespan), or without it the smallest bottleneck (the limit of
+    many micro-batches); then the fewest bytes crossing."""
     model = memory or MemoryModel()
     a = _analyse(graph)
     _check_stages(a, stages)
+    if micro_batches is not None:
+        _check_int("micro_batches", micro_batches, 1, MAX_MICRO_BATCHES)
     ranges = _ranges(a, model.micro_batch)
     budget = math.inf if model.budget_bytes is None else model.budget_bytes
-    worst, firsts = _cheapest_split(ranges, ranges.total_memory(model.optimizer_slots) <= budget, stages)
+    allowed = ranges.total_memory(model.optimizer_slots) <= budget
+    if micro_batches is None:
+        worst, firsts = _cheapest_split(ranges, allowed, stages)
+    else:
+        worst, firsts = _fastest_split(ranges, allowed, stages, micro_batches)
     if worst == math.inf:
         raise _refuse_memory(a, ranges, stages, model)
     return _build(a, ranges, firsts, model)

@@ -12,6 +12,10 @@ DEVICES = {"phone": (15.0, 0.3), "laptop": (50.0, 0.4), "desktop": (150.0, 0.3)}
 BANDWIDTH_MBIT = 100.0  # every volunteer's link, each way
 LATENCY_S = 0.020  # one way, per message
 HASH_MESSAGE_BYTES = 96  # with the ring, the server still gets a digest (and its framing) per activation sent
+# Signalling one WebRTC link through the server (offer, answer, candidates), as tests/browser/test_ring.py
+# measured it; counted for every pair of volunteers of adjacent stages at every step (links kept open
+# across steps would cost it once).
+SIGNAL_BYTES_PER_LINK = 2_066
 SERVER_STEP_S = 0.0  # the optimizer step on the server is not emulated
 
 # Models: a GPT (engine/presets.py) at several widths, 8 blocks, 64-token sequences; the CIFAR ResNet-18.
@@ -23,6 +27,7 @@ BUDGET_BYTES = 512 * 2**20  # per-device memory budget (weights, gradients, one 
 MICRO_BATCH = 4
 MICRO_BATCHES = 16
 STAGES = (2, 4, 8)
+BUBBLE_MICRO_BATCHES = (4, 8, 16, 32)  # the bubble is also measured at these M (one volunteer per stage)
 PER_STAGE = (1, 2, 3, 4)
 
 # Data-parallel averaging (DiLoCo): samples per worker per round, in local steps of MICRO_BATCH.

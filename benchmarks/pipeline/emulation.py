@@ -13,7 +13,15 @@ import random
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from engine.schedule import BACKWARD, StageTimes, Unit, dependencies, gpipe_timetable, units
+from engine.schedule import (
+    BACKWARD,
+    StageTimes,
+    Unit,
+    dependencies,
+    gpipe_bubble,
+    gpipe_timetable,
+    units,
+)
 
 from .config import (
     CHURN_PER_MIN,
@@ -24,6 +32,7 @@ from .config import (
     LOCAL_STEPS,
     MICRO_BATCH,
     MICRO_BATCHES,
+    SIGNAL_BYTES_PER_LINK,
     link_time,
 )
 from .models import ModelFacts, StageFacts
@@ -91,15 +100,22 @@ def pipeline_run(
 class Bubble:
     idle: float  # idle share of the stages' time (fill, drain and imbalance)
     fill_drain: float  # 1 - M x (slowest stage's time per micro-batch) / makespan: imbalance left out
-    formula: float
+    formula: float  # GPipe's (S-1)/(M+S-1)
+    makespan: float  # FLOPs (one volunteer of speed 1 per stage)
+    balance: float  # the slowest stage's work over the mean
 
 
-def measured_bubble(stages: Sequence[StageFacts]) -> Bubble:
+def measured_bubble(stages: Sequence[StageFacts], micro_batches: int = MICRO_BATCHES) -> Bubble:
     """One volunteer per stage, all of one speed, no transfer time: the schedule alone."""
-    t = gpipe_timetable(times(stages), MICRO_BATCHES)
-    slowest = max(stage_work(s) for s in stages)
-    s = len(stages)
-    return Bubble(t.bubble, 1 - MICRO_BATCHES * slowest / t.makespan, (s - 1) / (MICRO_BATCHES + s - 1))
+    t = gpipe_timetable(times(stages), micro_batches)
+    work = [stage_work(s) for s in stages]
+    return Bubble(
+        t.bubble,
+        1 - micro_batches * max(work) / t.makespan,
+        gpipe_bubble(len(stages), micro_batches),
+        t.makespan,
+        max(work) * len(work) / sum(work),
+    )
 
 
 # ---------------------------------------------------------------- bytes
@@ -107,10 +123,23 @@ def measured_bubble(stages: Sequence[StageFacts]) -> Bubble:
 
 @dataclass(frozen=True)
 class Traffic:
-    activations: float  # per sample, on the wire
-    weights: float  # per sample: weights down and gradients up
-    server_relay: float  # per sample through the server, activations relayed
-    server_ring: float  # per sample through the server, activations peer to peer
+    """Bytes per sample. Through the server with the ring: the data, the stage weights down and the summed
+    gradients up (the results that decide credit), a digest per activation or gradient sent peer to peer,
+    and the links' signalling; with the relay, every activation and gradient instead, up and down."""
+
+    activations: float  # on the wire, peer to peer
+    weights: float  # weights down and gradients up
+    digests: float
+    signalling: float
+    data: float
+
+    @property
+    def server_relay(self) -> float:
+        return self.data + self.weights + 2 * self.activations
+
+    @property
+    def server_ring(self) -> float:
+        return self.data + self.weights + self.digests + self.signalling
 
 
 def pipeline_traffic(
@@ -118,11 +147,15 @@ def pipeline_traffic(
 ) -> Traffic:
     crossing = [crossing_bytes(s, codec_bytes) / MICRO_BATCH for s in stages[:-1]]
     back = [crossing[k] if stages[k + 1].sends_grad_back else 0.0 for k in range(len(crossing))]
-    activations = sum(crossing) + sum(back)
     weights = sum(len(g) * 2 * s.param_bytes for s, g in zip(stages, groups, strict=True)) / BATCH
-    digests = sum(1 for _ in crossing) * 2 * HASH_MESSAGE_BYTES / MICRO_BATCH
+    sent = len(crossing) + sum(1 for b in back if b)  # messages per micro-batch
+    links = sum(len(a) * len(b) for a, b in zip(groups, groups[1:], strict=False))
     return Traffic(
-        activations, weights, data_bytes + weights + 2 * activations, data_bytes + weights + digests
+        sum(crossing) + sum(back),
+        weights,
+        sent * HASH_MESSAGE_BYTES / MICRO_BATCH,
+        links * SIGNAL_BYTES_PER_LINK / BATCH,
+        data_bytes,
     )
 
 

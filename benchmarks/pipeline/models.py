@@ -13,7 +13,7 @@ from engine.graph import Graph, load_graph
 from engine.partition import MemoryModel, PartitionError, partition
 from engine.presets import GPT, ResNet18
 
-from .config import BUDGET_BYTES, GPT_LAYERS, MICRO_BATCH
+from .config import BUDGET_BYTES, GPT_LAYERS, MICRO_BATCH, MICRO_BATCHES
 
 FLOAT_BYTES = 4
 
@@ -68,10 +68,13 @@ def model_facts(graph: Graph) -> ModelFacts:
     )
 
 
-def stage_facts(graph: Graph, stages: int) -> list[StageFacts] | None:
-    """The partition's stages within the per-device budget, or None when no split into ``stages`` fits."""
+def stage_facts(
+    graph: Graph, stages: int, micro_batches: int | None = MICRO_BATCHES
+) -> list[StageFacts] | None:
+    """The partition's stages within the per-device budget, or None when no split into ``stages`` fits:
+    the cuts making the shortest GPipe step of ``micro_batches`` (None: the smallest bottleneck)."""
     try:
-        p = partition(graph, stages, memory_model())
+        p = partition(graph, stages, memory_model(), micro_batches=micro_batches)
     except PartitionError:
         return None
     return [

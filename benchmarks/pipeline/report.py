@@ -14,8 +14,10 @@ def print_all(result: Row) -> None:
     print("EMULATION: " + result["assumptions"]["emulated"])
     print_models(result["models"])
     print_pipeline(result["runs"])
+    print_bubbles(result["bubbles"])
     print_crossover(result["runs"], result["crossover"])
     print_churn(result["churn"])
+    print_verdict(result["verdict"])
 
 
 def print_models(models: list[Row]) -> None:
@@ -46,6 +48,50 @@ def print_pipeline(rows: list[Row]) -> None:
             f"{fmt_bytes(r['sync_bytes']):>9s} {fmt_bytes(b['server_ring']):>9s} "
             f"{fmt_bytes(b['server_relay']):>9s}"
         )
+
+
+def print_bubbles(rows: list[Row]) -> None:
+    """Measured idle share / GPipe's (S-1)/(M+S-1) per model, S and M; * where more than 10% off."""
+    ms = sorted({r["micro_batches"] for r in rows})
+    print(
+        "\nbubble, one volunteer per stage, equal speeds, no link time: measured / GPipe (S-1)/(M+S-1)"
+        " (* more than 10% over, < more than 10% under); the cuts make the shortest step of M; last"
+        " columns: M=16 with the smallest-bottleneck cuts alone, and how much shorter the step is"
+    )
+    print(
+        f"{'model':10s} {'S':>2s} "
+        + " ".join(f"{'M=' + str(m):>13s}" for m in ms)
+        + "  balance  old cuts  shorter"
+    )
+    for model, s in dict.fromkeys((r["model"], r["stages"]) for r in rows):
+        mine = {r["micro_batches"]: r for r in rows if (r["model"], r["stages"]) == (model, s)}
+        cells = [f"{mine[m]['bubble']:.3f}/{mine[m]['formula']:.3f}{_mark(mine[m])}" for m in ms]
+        at = mine[max(m for m in ms if m <= 16)]
+        print(
+            f"{model:10s} {s:2d} "
+            + " ".join(f"{c:>13s}" for c in cells)
+            + f"  {at['balance']:7.3f}  {at['bubble_bottleneck_cuts']:8.3f}"
+            + f"  {at['step_shorter_than_bottleneck_cuts']:6.1%}"
+        )
+
+
+def _mark(row: Row) -> str:
+    return "*" if row["over_10pct"] else "<" if row["under_10pct"] else " "
+
+
+def print_verdict(v: Row) -> None:
+    print(
+        f"\nwidest GPT that fits one device: {v['widest_fitting_one_device']}; "
+        "pipeline vs sync, same volunteers:"
+    )
+    for r in v["pipeline_vs_sync_same_volunteers"]:
+        print(
+            f"  S={r['stages']} x {r['per_stage']}: {r['samples_per_s']:.1f} "
+            f"against {r['sync_samples_per_s']:.1f} samples/s"
+        )
+    print(f"  pipeline beats sync in every configuration: {v['pipeline_beats_sync_everywhere']}")
+    print(f"bubble at most 10% over GPipe's at M=16: {v['bubble_at_most_10pct_over']}")
+    print(f"  more than 10% over: {v['bubble_more_than_10pct_over']}")
 
 
 def _rate(row: Row | None) -> str:
@@ -141,7 +187,7 @@ def plot(result: Row, path: Path) -> None:
     fig, axes = plt.subplots(2, 2, figsize=(13, 9))
     _plot_throughput(axes[0][0], rows)
     _plot_bytes(axes[0][1], rows)
-    _plot_bubble(axes[1][0], rows)
+    _plot_bubble(axes[1][0], result["bubbles"])
     _plot_server(axes[1][1], rows)
     fig.suptitle(
         "Pipeline vs data parallel, EMULATED time (FLOPs at phone/laptop/desktop speeds, 100 Mbit/s + 20 ms),"
@@ -198,19 +244,27 @@ def _plot_bytes(ax: Any, rows: list[Row]) -> None:
 
 
 def _plot_bubble(ax: Any, rows: list[Row]) -> None:
-    pts = [r for r in rows if r["method"] == "pipeline" and r["per_stage"] == 1]
-    formula = {r["stages"]: r["bubble_formula"] for r in pts}
-    ax.plot(sorted(formula), [formula[s] for s in sorted(formula)], "k--", label="GPipe (S-1)/(M+S-1)")
-    for key, style, label in (
-        ("bubble_fill_drain", "o", "measured, fill and drain"),
-        ("bubble", "x", "measured, idle share (with imbalance)"),
-        ("bubble_with_links", "^", "with volunteers' speeds and links"),
-    ):
-        ax.plot([r["stages"] for r in pts], [r[key] for r in pts], style, label=label, markersize=9)
-    ax.set(xscale="log", xlabel="stages S (M = 16)", ylabel="bubble", title="Pipeline bubble, all models")
-    ax.set_xticks([2, 4, 8], ["2", "4", "8"])
+    ms = sorted({r["micro_batches"] for r in rows})
+    for s, color in zip(sorted({r["stages"] for r in rows}), ("C0", "C1", "C2"), strict=False):
+        formula = [(s - 1) / (m + s - 1) for m in ms]
+        ax.plot(ms, formula, "--", color=color, label=f"S={s}: GPipe (S-1)/(M+S-1), band ±10%")
+        ax.fill_between(ms, [0.9 * f for f in formula], [1.1 * f for f in formula], color=color, alpha=0.12)
+        for family, marker in (("gpt", "o"), ("resnet", "x")):
+            pts = [r for r in rows if r["stages"] == s and r["model"].startswith(family)]
+            xs, ys = [r["micro_batches"] for r in pts], [r["bubble"] for r in pts]
+            ax.plot(xs, ys, marker, color=color, markersize=5, alpha=0.7)
+    ax.plot([], [], "ok", markersize=5, label="measured, GPT d_model 32-1024")
+    ax.plot([], [], "xk", markersize=5, label="measured, ResNet-18")
+    ax.set(
+        xscale="log",
+        yscale="log",
+        xlabel="micro-batches M",
+        ylabel="idle share",
+        title="Bubble, one volunteer per stage, cuts for the shortest step",
+    )
+    ax.set_xticks(ms, [str(m) for m in ms])
     ax.minorticks_off()
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=7, loc="lower left")
 
 
 def _plot_server(ax: Any, rows: list[Row]) -> None:
