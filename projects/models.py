@@ -417,11 +417,18 @@ class WorkUnit(models.Model):
                 condition=models.Q(status="open", wanted__gt=0),
                 name="workunit_sendable",
             ),
+            # Stage units still holding their stage blobs (projects/storage.py releases them after the step).
+            models.Index(
+                fields=["version"],
+                condition=models.Q(stage_weights__isnull=False),
+                name="workunit_stage_blobs",
+            ),
         ]
         constraints = [
+            # Cancelled units are left out: a step a pause interrupted starts over (stages.step_feed).
             models.UniqueConstraint(
                 fields=["version", "stage_kind", "stage", "micro_batch"],
-                condition=~models.Q(stage_kind=""),
+                condition=~models.Q(stage_kind="") & ~models.Q(status="cancelled"),
                 name="one_stage_unit_per_step",
             )
         ]

@@ -210,7 +210,10 @@ def step_publish(*, project: Project, current: ModelVersion) -> ModelVersion | N
 def _step_results(*, current: ModelVersion) -> list[Result]:
     return list(
         Result.objects.filter(
-            work_unit__version=current, work_unit__stage_kind=BACKWARD, canonical_for__isnull=False
+            work_unit__version=current,
+            work_unit__stage_kind=BACKWARD,
+            work_unit__status=WorkUnit.Status.VALIDATED,  # not those of a step a pause interrupted
+            canonical_for__isnull=False,
         )
         .select_related("blob", "work_unit")
         .order_by("work_unit__stage", "work_unit__micro_batch")
