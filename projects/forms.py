@@ -231,7 +231,8 @@ class ProjectChangeForm(forms.ModelForm):
         fields = "__all__"
 
     def clean(self) -> dict[str, Any]:
-        data = super().clean()
+        super().clean()
+        data = self.cleaned_data
         changes = {name: data[name] for name in self.changed_data if name in data}
         try:
             stages.pipeline_settings_check(project=self.instance, changes=changes)

@@ -28,6 +28,7 @@ member table's unique (project, device) and (project, stage) indexes).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from datetime import timedelta
 
 from django.db import transaction
@@ -96,7 +97,8 @@ def stage_units_eligible(*, device_id: int | None) -> Q:
         return Q()
     mine = StageMember.objects.filter(device_id=device_id, project_id=OuterRef("project_id"))
     anyone = StageMember.objects.filter(project_id=OuterRef("project_id"), stage=OuterRef("stage"))
-    return Q(stage_kind="") | Exists(mine.filter(stage=OuterRef("stage"))) | ~Exists(mine) | ~Exists(anyone)
+    own, joined, served = Exists(mine.filter(stage=OuterRef("stage"))), Exists(mine), Exists(anyone)
+    return Q(stage_kind="") | Q(own) | ~Q(joined) | ~Q(served)
 
 
 def stage_units_own_first(*, device_id: int | None) -> list[Expression]:
@@ -260,7 +262,7 @@ def pipeline_rebalance(*, project_id: int) -> int:
 
 
 def _move(
-    *, members: list[StageMember], ready: dict[int, int], loads: list[int]
+    *, members: Sequence[StageMember], ready: dict[int, int], loads: list[int]
 ) -> tuple[StageMember, int] | None:
     """Which member goes to which stage, if any."""
     by_stage: dict[int, list[StageMember]] = {k: [] for k in range(len(loads))}
