@@ -22,8 +22,9 @@ which stage of a pipeline project, and so which stage units each device is offer
   most capacity for its load among those with two members or more and at least one ready unit per member
   less, and it has served its stage for REBALANCE_MIN_STAY_SECONDS (no ping-pong). Units in flight are not
   interrupted: a moved device finishes them, and its next units are its new stage's.
-Each question here is one or two indexed queries (the scheduler's own condition is two EXISTS on the
-member table's unique (project, device) and (project, stage) indexes).
+Each question here is one or two indexed queries. The scheduler's own condition adds three EXISTS on the
+member table's (project, device) and (project, stage) indexes to its one query, which data-parallel units
+never run (their first term decides; EXPLAIN ANALYZE shows the subplans "never executed").
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 import signal
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,6 +23,7 @@ from tests.chaos.harness import (
     holds_work,
     latest_version,
     project_id,
+    scalar,
     settle,
     violations,
     wait_for_version,
@@ -34,9 +35,14 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 STAGES, MICRO = 3, 2
 BEFORE, AFTER = 1, 2
 PROGRESS_TIMEOUT = 150.0
-# Slow enough that each of its stage-0 units takes a second or so (a kill lands mid-unit), fast enough for
-# the work-unit deadline (tests/chaos/stack.DEADLINE_SECONDS).
-VICTIM_GFLOPS = 0.01
+# Slow enough that each of its stage-0 units takes about 3 s (killed within a second of getting one, it is
+# mid-unit), fast enough for the work-unit deadline (tests/chaos/stack.DEADLINE_SECONDS).
+VICTIM_GFLOPS = 0.003
+JUST_GIVEN = (
+    "SELECT count(*) FROM projects_result r JOIN auth_user u ON u.id = r.volunteer_id WHERE u.username = %s "
+    "AND r.status = 'in_progress' AND r.sent_at > now() - interval '1 second'"
+)
+OPEN_UNITS = "SELECT count(*) FROM projects_workunit WHERE status = 'open' AND stage_kind <> ''"
 
 
 @dataclass
@@ -72,23 +78,25 @@ def progress(stack: ChaosStack, versions: int) -> int:
     return reached
 
 
-def wait_until_holding(stack: ChaosStack, name: str, timeout: float = 60) -> None:
+def wait_until(what: str, done: Callable[[], bool], timeout: float = PROGRESS_TIMEOUT) -> None:
+    """A liveness bound (generous: a loaded machine is not a stall)."""
     deadline = time.monotonic() + timeout
-    while not holds_work(stack, name):
-        assert time.monotonic() < deadline, f"{name} never held a stage unit"
+    while not done():
+        assert time.monotonic() < deadline, f"{what} did not happen in {timeout:.0f} s"
         time.sleep(0.02)
 
 
 def test_a_stage_volunteer_killed_mid_unit_and_daphne_restarted(stack: PipelineChaosStack) -> None:
+    wait_until("the first step's feed", lambda: bool(scalar(stack, OPEN_UNITS)))
     with crowd_of(stack) as crowd:
         # One volunteer per stage. The victim first: it joins stage 0 (the only one with ready units) and
         # is alone there, so it holds a unit most of the time; the others fill stages 1 and 2.
         crowd.join("victim", gflops=VICTIM_GFLOPS)
-        wait_until_holding(stack, "victim")
+        wait_until("the victim holding a unit", lambda: holds_work(stack, "victim"))
         for i in range(1, STAGES):
             crowd.join(f"stage-{i}")
         progress(stack, BEFORE)
-        wait_until_holding(stack, "victim")
+        wait_until("the victim given a unit", lambda: bool(scalar(stack, JUST_GIVEN, "victim")))
         crowd.kill("victim")
         stack.restart("web", signal.SIGTERM)  # every other volunteer's socket drops too
         progress(stack, AFTER)
