@@ -17,7 +17,7 @@ from django.utils.safestring import SafeString
 
 from frontend.templatetags.crowdtrain import format_flops
 from projects.datasets import DatasetError
-from projects.forms import DatasetAddForm, ProjectAddForm
+from projects.forms import DatasetAddForm, ProjectAddForm, ProjectChangeForm
 from projects.models import Blob, Dataset, DatasetShard, Metric, ModelVersion, Project, Result, WorkUnit
 from projects.selectors import (
     TEST_ACCURACY,
@@ -265,6 +265,7 @@ class ProjectAdmin(OwnedAdmin):
     list_filter = ["status", "preset", ("owner", admin.RelatedOnlyFieldListFilter)]
     search_fields = ["name", "description"]
     actions = ["start", "pause"]
+    form = ProjectChangeForm  # the add form is get_form's
     readonly_fields = [*PROJECT_PROGRESS_FIELDS, *PROJECT_MODEL_FIELDS]
     fieldsets = [
         (None, {"fields": ["name", "description"]}),

@@ -17,6 +17,7 @@ from django.db import transaction
 from engine import codecs
 from engine.graph import MAX_ACTIVATION_BYTES, Graph, GraphError, activation_memory, load_graph
 from engine.presets import PRESETS
+from projects import stages
 from projects.datasets import (
     MAX_BLOCK_SIZE,
     MAX_IMAGE_SIDE,
@@ -219,6 +220,25 @@ class DatasetAddForm(forms.ModelForm):
     def create(self, *, owner: User) -> Dataset:
         assert self.parsed is not None  # clean() guarantees a parsed upload
         return dataset_create(owner=owner, name=self.cleaned_data["name"], parsed=self.parsed)
+
+
+class ProjectChangeForm(forms.ModelForm):
+    """The admin's change form: a running pipeline project's partition settings are refused, as the API
+    refuses them (stages.pipeline_settings_check)."""
+
+    class Meta:
+        model = Project
+        fields = "__all__"
+
+    def clean(self) -> dict[str, Any]:
+        super().clean()
+        data = self.cleaned_data
+        changes = {name: data[name] for name in self.changed_data if name in data}
+        try:
+            stages.pipeline_settings_check(project=self.instance, changes=changes)
+        except stages.PipelineError as exc:
+            raise forms.ValidationError(str(exc)) from None
+        return data
 
 
 class ProjectAddForm(forms.ModelForm):

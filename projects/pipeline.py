@@ -3,9 +3,16 @@
 A stage result is judged on its own (samples, loss, the payload's shapes and finite values in the
 activation codec: hostile bytes give a reason, never an exception) and, when spot-checked, against the
 server's recomputation of the unit with engine/pipeline.py (engine/activations.spot_check for activations
-and their gradients, relative L2 for parameter gradients). When every backward unit of the step is
-validated their parameter gradients are summed and the project's server optimizer publishes the next
-version, as sync_sgd does.
+and their gradients, relative L2 for parameter gradients and trained buffers). When every backward unit of
+the step is validated their parameter gradients are summed and the project's server optimizer publishes the
+next version, as sync_sgd does.
+
+Batch norm: a backward unit recomputes its stage's forward on the micro-batch, so it reports the stage's
+trained buffers (running statistics) after that forward beside its parameter gradients, named as the
+buffers, as a data-parallel update does. The step averages them over micro-batches, weighted by samples,
+as engine/schedule.gpipe_step does. A stage with trained buffers but no backward unit (nothing up to it
+trains, so no gradient reaches it) has its buffers recomputed here from its forward units' inputs: such a
+stage has no parameters, so its forward costs the server little.
 """
 
 from __future__ import annotations
@@ -50,6 +57,7 @@ class StageParts:
     activation: Tensor | None = None
     input_grad: Tensor | None = None
     grads: Tensors = field(default_factory=dict)
+    buffers: Tensors = field(default_factory=dict)  # the stage's trained buffers after the unit's forward
     input_grad_bytes: bytes = b""
 
 
@@ -69,7 +77,10 @@ def stage_result_check(*, result: Result, spot_check: bool) -> tuple[str | None,
     except (StageUnitError, activations.ActivationError, codecs.CodecError) as exc:
         return f"malformed stage result: {exc}", StageParts()
     if parts is None:
-        return "the parameter gradients have the wrong names, shapes or values", StageParts()
+        return (
+            "the parameter gradients or trained buffers have the wrong names, shapes or values",
+            StageParts(),
+        )
     if not spot_check:
         return None, parts
     result.spot_checked = True
@@ -89,11 +100,15 @@ def _parts(*, work_unit: WorkUnit, payload: bytes) -> StageParts | None:
         input_grad = activations.decode(grad_bytes, shape, kind="gradient", codec=codec)
     elif grad_bytes:
         raise StageUnitError(f"stage {stage.index} sends no input gradient")
-    grads = codecs.decode(grads_bytes)[0] if grads_bytes else {}
-    expected = {p.name: tuple(p.shape) for p in stage.graph.params}
-    if set(grads) != set(expected) or check_update(grads, expected):
+    tensors = codecs.decode(grads_bytes)[0] if grads_bytes else {}
+    params = {p.name: tuple(p.shape) for p in stage.graph.params}
+    trained = set(stage.graph.trained_buffers())
+    expected = {**params, **{b.name: tuple(b.shape) for b in stage.graph.buffers if b.name in trained}}
+    if set(tensors) != set(expected) or check_update(tensors, expected):
         return None
-    return StageParts(input_grad=input_grad, grads=grads, input_grad_bytes=grad_bytes)
+    grads = {name: tensors[name] for name in params}
+    buffers = {name: tensors[name] for name in trained}
+    return StageParts(input_grad=input_grad, grads=grads, buffers=buffers, input_grad_bytes=grad_bytes)
 
 
 def _disagreement(*, work_unit: WorkUnit, parts: StageParts) -> str | None:
@@ -109,9 +124,13 @@ def _disagreement(*, work_unit: WorkUnit, parts: StageParts) -> str | None:
                 return f"the {what} differs from the server's recomputation"
         elif (sent is None) != (want is None):
             return f"the {what} is missing or not expected"
-    distance = _distance(parts.grads, reference.grads)
-    if distance > GRADS_TOLERANCE:
-        return f"the parameter gradients differ from the server's recomputation by {distance:.1%}"
+    for what, sent_tensors, wanted in (
+        ("parameter gradients", parts.grads, reference.grads),
+        ("trained buffers", parts.buffers, reference.buffers),
+    ):
+        distance = _distance(sent_tensors, wanted)
+        if distance > GRADS_TOLERANCE:
+            return f"the {what} differ from the server's recomputation by {distance:.1%}"
     return None
 
 
@@ -132,6 +151,9 @@ def stage_unit_recompute(*, work_unit: WorkUnit) -> StageParts:
     if work_unit.stage_kind == FORWARD:
         return StageParts(activation=stage_forward(stage, weights, inputs, seed=seed).output)
     output_grad = None if stage.last else _blob_tensor(work_unit.grad_blob, work_unit, stage, kind="gradient")
+    buffers = (
+        stage_forward(stage, weights, inputs, seed=seed).buffers if stage.graph.trained_buffers() else {}
+    )
     done = stage_backward(
         stage,
         weights,
@@ -141,7 +163,7 @@ def stage_unit_recompute(*, work_unit: WorkUnit) -> StageParts:
         loss_scale=work_unit.loss_scale if work_unit.loss_scale is not None else 1.0,
         seed=seed,
     )
-    return StageParts(input_grad=done.input_grad, grads=done.grads)
+    return StageParts(input_grad=done.input_grad, grads=done.grads, buffers=buffers)
 
 
 def _unit_weights(*, work_unit: WorkUnit) -> Tensors:
@@ -184,15 +206,17 @@ def step_publish(*, project: Project, current: ModelVersion) -> ModelVersion | N
         return None
     results = _step_results(current=current)
     weights, state = _current_state(version=current)
+    grads, buffers = _step_sums(project=project, results=results, current=current)
     optim.server_step_(
         weights,
-        _summed(project=project, results=results),
+        grads,
         state,
         averaging=False,
         lr=project.learning_rate,
         momentum=project.momentum,
         weight_decay=project.weight_decay,
     )
+    weights.update(buffers)
     Result.objects.filter(pk__in=[r.pk for r in results]).update(aggregated=True)
     last = [r for r in results if r.work_unit.stage == len(project_partition(project=project).stages) - 1]
     samples = sum(r.work_unit.count for r in last)
@@ -210,7 +234,10 @@ def step_publish(*, project: Project, current: ModelVersion) -> ModelVersion | N
 def _step_results(*, current: ModelVersion) -> list[Result]:
     return list(
         Result.objects.filter(
-            work_unit__version=current, work_unit__stage_kind=BACKWARD, canonical_for__isnull=False
+            work_unit__version=current,
+            work_unit__stage_kind=BACKWARD,
+            work_unit__status=WorkUnit.Status.VALIDATED,  # not those of a step a pause interrupted
+            canonical_for__isnull=False,
         )
         .select_related("blob", "work_unit")
         .order_by("work_unit__stage", "work_unit__micro_batch")
@@ -224,13 +251,51 @@ def _current_state(*, version: ModelVersion) -> tuple[Tensors, Tensors]:
     return weights, dict(codecs.decode(version.optimizer_state.read())[0])
 
 
-def _summed(*, project: Project, results: list[Result]) -> Tensors:
-    """Every param's gradient summed over stages (tied params appear in several) and micro-batches."""
-    total = {p.name: torch.zeros(p.shape) for p in project_graph(project=project).params}
+def _step_sums(*, project: Project, results: list[Result], current: ModelVersion) -> tuple[Tensors, Tensors]:
+    """Every param's gradient summed over stages (tied params appear in several) and micro-batches, and
+    every trained buffer averaged over micro-batches weighted by samples (see the module's docstring)."""
+    graph = project_graph(project=project)
+    total = {p.name: torch.zeros(p.shape) for p in graph.params}
+    trained = set(graph.trained_buffers())
+    reported: dict[str, list[tuple[Tensor, int]]] = {}
     for result in results:
         if result.blob is None:
             continue
-        _, grads = payload_split(result.blob.read())
-        for name, grad in (codecs.decode(grads)[0] if grads else {}).items():
-            total[name] += grad
-    return total
+        _, tensors = payload_split(result.blob.read())
+        for name, value in (codecs.decode(tensors)[0] if tensors else {}).items():
+            if name in total:
+                total[name] += value
+            elif name in trained:
+                reported.setdefault(name, []).append((value, result.work_unit.count))
+    for work_unit in _forward_units_reporting_buffers(project=project, current=current):
+        for name, value in _forward_buffers(work_unit=work_unit).items():
+            reported.setdefault(name, []).append((value, work_unit.count))
+    return total, {name: _weighted_mean(pairs) for name, pairs in reported.items()}
+
+
+def _weighted_mean(pairs: list[tuple[Tensor, int]]) -> Tensor:
+    samples = sum(count for _, count in pairs)
+    return sum((value * (count / samples) for value, count in pairs), torch.zeros_like(pairs[0][0]))
+
+
+def _forward_units_reporting_buffers(*, project: Project, current: ModelVersion) -> list[WorkUnit]:
+    """The step's forward units of stages with trained buffers but no backward unit."""
+    parts = project_partition(project=project).stages
+    silent = [
+        stage.index
+        for stage, following in zip(parts, parts[1:], strict=False)
+        if stage.graph.trained_buffers() and not following.needs_input_grad
+    ]
+    if not silent:
+        return []
+    units = WorkUnit.objects.filter(
+        version=current, stage_kind=FORWARD, stage__in=silent, status=WorkUnit.Status.VALIDATED
+    )
+    return list(units.select_related("project", "version", "shard", "input_blob", "stage_weights"))
+
+
+def _forward_buffers(*, work_unit: WorkUnit) -> Tensors:
+    stage = unit_stage(work_unit=work_unit)
+    inputs, _ = _unit_inputs(work_unit=work_unit, stage=stage)
+    weights = _unit_weights(work_unit=work_unit)
+    return stage_forward(stage, weights, inputs, seed=unit_seed(work_unit=work_unit)).buffers

@@ -247,6 +247,10 @@ EDITABLE_FIELDS = ("name", "description", *TRAINING_SETTINGS)
 def project_update(*, project: Project, changes: dict[str, Any]) -> Project:
     """Change a project's name, description or training settings (the caller has validated the values)."""
     fields = [key for key in changes if key in EDITABLE_FIELDS]
+    try:
+        stages.pipeline_settings_check(project=project, changes={key: changes[key] for key in fields})
+    except stages.PipelineError as exc:
+        raise ProjectError(str(exc)) from None
     for key in fields:
         setattr(project, key, changes[key])
     _memory_check(project=project)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import struct
+from collections.abc import Mapping
 from functools import lru_cache
 
 import torch
@@ -34,18 +35,29 @@ from engine.pipeline import StageUnitError, loss_scales, stage_weights
 from projects import notify
 from projects.blobs import blob_put
 from projects.datasets import shard_load
-from projects.models import Blob, DatasetShard, ModelVersion, Project, WorkUnit
+from projects.models import Blob, DatasetShard, ModelVersion, Project, Result, WorkUnit
 
 Tensors = dict[str, Tensor]
 FORWARD, BACKWARD = "forward", "backward"
+# What a step's units are cut, sized and encoded by: changed mid-step, its units would no longer match their
+# stages (pipeline_settings_check).
+PARTITION_SETTINGS = (
+    "mode",
+    "batch_size",
+    "device_memory_mb",
+    "pipeline_stages",
+    "micro_batches",
+    "activation_codec",
+)
 LENGTH = struct.Struct("<Q")
 PARTITIONS_KEPT = 16
 # A step waits for every one of its units, so a stage unit is not given up after a few failed instances as a
 # data-parallel slice is (its samples fed anew): its inputs are the server's own, validated, so its failures
 # are volunteers', and it is sent again until one computes it.
 STAGE_UNIT_LIMITS = {"max_error_results": 1000, "max_total_results": 2000}
-_partitions: dict[tuple[str, int, int, MemoryModel], Partition] = {}
-_stage_blob_ids: dict[tuple[str, int, str, int], tuple[str, str]] = {}
+PartitionKey = tuple[str, int, int, MemoryModel]
+_partitions: dict[PartitionKey, Partition] = {}
+_stage_blob_ids: dict[tuple[PartitionKey, str, int], tuple[str, str]] = {}
 
 
 class PipelineError(ValueError):
@@ -68,15 +80,19 @@ def _graph(*, sha256: str, max_activation_bytes: int) -> Graph:
 def project_partition(*, project: Project) -> Partition:
     """The project's stages: `pipeline_stages` of them, or the fewest that fit its per-device budget.
     Cached by everything it depends on: graphs are immutable, settings change only the key."""
-    memory = _memory_model(project=project, optimizer_slots=0)
-    key = (project.graph_id, project.max_activation_bytes, project.pipeline_stages, memory)
+    key = _partition_key(project=project)
     if key not in _partitions:
         if len(_partitions) >= PARTITIONS_KEPT:
             _partitions.pop(next(iter(_partitions)))
         _partitions[key] = _partition(
-            graph=stage_graph(project=project), stages=project.pipeline_stages, memory=memory
+            graph=stage_graph(project=project), stages=project.pipeline_stages, memory=key[3]
         )
     return _partitions[key]
+
+
+def _partition_key(*, project: Project) -> PartitionKey:
+    memory = _memory_model(project=project, optimizer_slots=0)
+    return (project.graph_id, project.max_activation_bytes, project.pipeline_stages, memory)
 
 
 def _partition(*, graph: Graph, stages: int, memory: MemoryModel) -> Partition:
@@ -116,6 +132,27 @@ def project_memory_check(*, project: Project) -> None:
         )
 
 
+def pipeline_settings_check(*, project: Project, changes: Mapping[str, object]) -> None:
+    """Refuse to change what a running pipeline project's steps are cut by (PipelineError, saying to pause
+    first). While paused the change is allowed: the step the pause interrupted starts over under the new
+    settings when the project runs again (step_feed), so a step never mixes two partitions."""
+    stored = Project.objects.filter(pk=project.pk).first()  # as saved: `project` may hold the changes
+    if stored is None or not stored.is_running:
+        return
+    pipeline = Project.Mode.PIPELINE
+    if stored.mode != pipeline and changes.get("mode", stored.mode) != pipeline:
+        return
+    changed = [
+        name for name in PARTITION_SETTINGS if name in changes and changes[name] != getattr(stored, name)
+    ]
+    if changed:
+        raise PipelineError(
+            f"{', '.join(changed)} cannot change while the project runs: its current step was cut into "
+            "stages with the present settings. Pause the project, change them and start it again; the "
+            "interrupted step then starts over under the new settings."
+        )
+
+
 def _partition_or_none(*, project: Project, slots: int) -> Partition | None:
     graph = stage_graph(project=project)
     try:
@@ -129,9 +166,18 @@ def _partition_or_none(*, project: Project, slots: int) -> Partition | None:
 
 def step_feed(*, project: Project, version: ModelVersion) -> int:
     """Create the first unit of each micro-batch of the step on `version` (once); the caller holds the
-    project's row and saves its data cursor. Returns how many units were created."""
-    if WorkUnit.objects.filter(version=version).exclude(stage_kind="").exists():
-        return 0
+    project's row and saves its data cursor. Returns how many units were created. A step a pause
+    interrupted (it cancelled the open units) starts over: its other units are cancelled too, and fresh ones
+    fed under the settings now in force (pipeline_settings_check)."""
+    step = WorkUnit.objects.filter(version=version).exclude(stage_kind="")
+    live = step.exclude(status=WorkUnit.Status.CANCELLED)
+    if live.exists():
+        if not step.filter(status=WorkUnit.Status.CANCELLED).exists():
+            return 0
+        # Units validated before the pause stay credited, never aggregated; a stray instance is late.
+        out = Result.objects.filter(work_unit__in=live, status=Result.Status.IN_PROGRESS)
+        out.update(status=Result.Status.CANCELLED, reason="the step started over")
+        live.update(status=WorkUnit.Status.CANCELLED)
     slices = [_next_slice(project=project) for _ in range(project.micro_batches)]
     scales = _scales(project=project, version=version, slices=slices)
     last = len(project_partition(project=project).stages) == 1
@@ -191,7 +237,7 @@ def stage_successor_create(*, work_unit: WorkUnit, output: Blob | None, input_gr
     if k == 0 or not unit_stage(work_unit=work_unit).needs_input_grad:
         return None  # nothing before this stage trains: the micro-batch's backward pass ends here
     grad = blob_put(data=input_grad)
-    forward = WorkUnit.objects.get(
+    forward = WorkUnit.objects.exclude(status=WorkUnit.Status.CANCELLED).get(
         version=work_unit.version, stage_kind=FORWARD, stage=k - 1, micro_batch=work_unit.micro_batch
     )
     return _successor(work_unit=work_unit, kind=BACKWARD, stage=k - 1, inputs=forward.input_blob, grad=grad)
@@ -219,8 +265,9 @@ def _successor(
 
 
 def _stage_blobs(*, project: Project, version: ModelVersion, stage: int) -> dict[str, str]:
-    """The stage's graph and weights blobs on `version` (content-addressed: stored again, the same rows)."""
-    key = (project.graph_id, project.max_activation_bytes, version.wire_blob.sha256, stage)
+    """The stage's graph and weights blobs on `version` (content-addressed: stored again, the same rows).
+    Keyed by the partition too: a step restarted under another stage count cuts other stages."""
+    key = (_partition_key(project=project), version.wire_blob.sha256, stage)
     known = _stage_blob_ids.get(key)
     # Units referencing them keep them from the collector; a first unit must find them still stored.
     if known is None or Blob.objects.filter(pk__in=known).count() != len(set(known)):

@@ -5,7 +5,10 @@ Three sweeps, run by a Celery beat task (tasks.collect_storage) and by `manage.p
 1. `storage_release_decided`: a work unit's updates (its results' blobs) and its server reference are
    released (their foreign keys set to NULL) once it is decided, no instance of it is still out or waiting
    for a verdict, and its canonical result was aggregated or never will be (a superseded round). A result
-   keeps its update's SHA-256 in `digest`, so replays are still caught (validation._replayed).
+   keeps its update's SHA-256 in `digest`, so replays are still caught (validation._replayed). A pipeline
+   stage unit's activation, output gradient, stage graph and stage weights are released once its step is
+   over (its version superseded: a backward unit reads its forward unit's input until then) and no
+   instance of it is out or awaiting a verdict.
 2. `versions_prune`: a version's weights, optimizer state and wire weights are released, except for every
    Kth version (CROWDTRAIN["KEEP_EVERY_K_VERSIONS"]), the best by the project's target metric, the latest,
    versions that still have open work (async rounds), and versions due an evaluation that has not run yet.
@@ -71,17 +74,19 @@ def _setting(name: str) -> int:
 
 
 def storage_release_decided(*, batch: int = 500, progress: Progress | None = None) -> int:
-    """Release the update and reference blobs of decided work units, `batch` work units per transaction.
-    Returns how many work units were released. Only rows still holding a blob are looked at (a partial
-    index), so the sweep costs what is left to release, not the history."""
+    """Release the update and reference blobs of decided work units, and the stage blobs of stage units whose
+    step is over, `batch` work units per transaction. Returns how many work units were released. Only rows
+    still holding a blob are looked at (partial indexes), so the sweep costs what is left to release, not
+    the history."""
     released = 0
-    while ids := _holding_blobs(batch=batch):
-        done = _release(work_unit_ids=ids)
-        released += done
-        if progress:
-            progress(done)
-        if done == 0 or len(ids) < batch:
-            break
+    for holding, release in ((_holding_blobs, _release), (_holding_stage_blobs, _release_stage_blobs)):
+        while ids := holding(batch=batch):
+            done = release(work_unit_ids=ids)
+            released += done
+            if progress:
+                progress(done)
+            if done == 0 or len(ids) < batch:
+                break
     return released
 
 
@@ -96,14 +101,23 @@ def _releasable(work_units: models.QuerySet[WorkUnit]) -> models.QuerySet[WorkUn
     """Decided work units whose updates nobody reads again: no instance out or awaiting a verdict (a late
     replica is judged against the canonical update), and the canonical update aggregated or superseded (a
     synchronous round never aggregates an older version's results; async aggregates every one)."""
-    busy = Result.objects.filter(work_unit=OuterRef("pk")).filter(
+    superseded = _superseded() & ~Q(project__mode=Project.Mode.ASYNC_SGD)
+    settled = Q(canonical_result__isnull=True) | Q(canonical_result__aggregated=True) | superseded
+    return work_units.filter(settled, status__in=DECIDED).exclude(Exists(_busy()))
+
+
+def _busy() -> models.QuerySet[Result]:
+    """The work unit's instances still out or awaiting a verdict (correlated on the outer work unit)."""
+    return Result.objects.filter(work_unit=OuterRef("pk")).filter(
         Q(status=Result.Status.IN_PROGRESS)
         | Q(status=Result.Status.RECEIVED, validation=Result.Validation.PENDING)
     )
+
+
+def _superseded() -> Q:
+    """The work unit's version is not its project's newest."""
     newest = ModelVersion.objects.filter(project=OuterRef("project")).order_by("-number").values("number")[:1]
-    superseded = Q(version__number__lt=Subquery(newest)) & ~Q(project__mode=Project.Mode.ASYNC_SGD)
-    settled = Q(canonical_result__isnull=True) | Q(canonical_result__aggregated=True) | superseded
-    return work_units.filter(settled, status__in=DECIDED).exclude(Exists(busy))
+    return Q(version__number__lt=Subquery(newest))
 
 
 def _release(*, work_unit_ids: list[int]) -> int:
@@ -113,6 +127,28 @@ def _release(*, work_unit_ids: list[int]) -> int:
         ids = list(_releasable(locked.filter(pk__in=work_unit_ids)).values_list("pk", flat=True))
         Result.objects.filter(work_unit_id__in=ids, blob__isnull=False).update(blob=None)
         WorkUnit.objects.filter(pk__in=ids, reference__isnull=False).update(reference=None)
+    return len(ids)
+
+
+# A stage unit holds its stage weights (and graph) from its creation until these are released, all four
+# together: `stage_weights` not null is the partial index's condition (WorkUnit.Meta, workunit_stage_blobs).
+STAGE_BLOBS = ("input_blob", "grad_blob", "stage_graph", "stage_weights")
+
+
+def _stage_releasable(work_units: models.QuerySet[WorkUnit]) -> models.QuerySet[WorkUnit]:
+    return work_units.filter(_superseded(), status__in=DECIDED).exclude(Exists(_busy()))
+
+
+def _holding_stage_blobs(*, batch: int) -> list[int]:
+    holding = WorkUnit.objects.filter(stage_weights__isnull=False)
+    return list(_stage_releasable(holding).order_by("pk").values_list("pk", flat=True)[:batch])
+
+
+def _release_stage_blobs(*, work_unit_ids: list[int]) -> int:
+    with transaction.atomic():
+        locked = WorkUnit.objects.select_for_update(skip_locked=True, no_key=True, of=("self",))
+        ids = list(_stage_releasable(locked.filter(pk__in=work_unit_ids)).values_list("pk", flat=True))
+        WorkUnit.objects.filter(pk__in=ids).update(**dict.fromkeys(STAGE_BLOBS))
     return len(ids)
 
 

@@ -237,3 +237,21 @@ def test_spot_checks_by_replica_are_a_training_setting(
     assert work_unit is not None
     page = client.get(f"/admin/projects/workunit/{work_unit.pk}/change/").content.decode()
     assert "Canonical result" in page and "Min quorum" in page
+
+
+def test_the_change_form_refuses_a_running_pipeline_projects_stage_count(
+    client: Client, superuser: User, researcher: User, digits_dataset: Dataset
+) -> None:
+    from projects.services import project_create, project_start
+
+    settings = {"mode": "pipeline", "pipeline_stages": 3, "batch_size": 32, "micro_batches": 4}
+    project = project_create(
+        owner=researcher, name="Pipe", dataset=digits_dataset, preset="mlp", settings=settings
+    )
+    project_start(project=project)
+    client.force_login(superuser)
+    change = project_form(name="Pipe", mode="pipeline", pipeline_stages="2", resource_share="100")
+    response = client.post(f"/admin/projects/project/{project.pk}/change/", change)
+    assert response.status_code == 200
+    assert "pipeline_stages cannot change while the project runs" in response.content.decode()
+    assert Project.objects.get(pk=project.pk).pipeline_stages == 3

@@ -298,3 +298,104 @@ def test_stage_blobs_are_granted_to_the_holder_of_the_unit_only(
     assert blob_access(sha256=sha, grant=grant[:-2] + "xx")[1] == Access.REFUSED
     assert send(ann, result).status == "valid"
     assert blob_access(sha256=sha, grant=grant)[1] == Access.REFUSED  # no longer held
+
+
+# --- batch norm: running statistics aggregated into the next version ----------------------------------------
+
+
+class TwoNorms(torch.nn.Module):
+    """Cut in 3 stages: bn1 in stage 1 (not last), bn2 in the last stage."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.bn1 = torch.nn.Linear(784, 32), torch.nn.BatchNorm1d(32)
+        self.fc2, self.bn2, self.fc3 = (
+            torch.nn.Linear(32, 16),
+            torch.nn.BatchNorm1d(16),
+            torch.nn.Linear(16, 10),
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = torch.relu(self.bn1(self.fc1(x.flatten(1))))
+        return self.fc3(torch.relu(self.bn2(self.fc2(x))))
+
+
+class FrozenNormFirst(torch.nn.Module):
+    """Cut in 3 stages: the frozen batch norm is stage 1 alone, which trains nothing and has no backward
+    unit (nothing before it trains): its statistics come from the server's recomputation of its forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bn, self.fc1, self.fc2 = (
+            torch.nn.BatchNorm1d(784),
+            torch.nn.Linear(784, 16),
+            torch.nn.Linear(16, 10),
+        )
+        self.bn.weight.requires_grad_(False)
+        self.bn.bias.requires_grad_(False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(torch.relu(self.fc1(self.bn(x.flatten(1)))))
+
+
+def normed_project(researcher: User, dataset: Any, net: torch.nn.Module) -> Project:
+    from engine.export import export_module
+    from projects.services import project_create_from_graph
+
+    graph, weights = export_module(net, (1, 28, 28), loss=torch.nn.CrossEntropyLoss())
+    settings = {"mode": "pipeline", "pipeline_stages": 3, "micro_batches": 1, "batch_size": BATCH}
+    settings |= {"activation_codec": "fp32", "learning_rate": 0.1, "momentum": 0.9}
+    project = project_create_from_graph(
+        owner=researcher, name="Normed", dataset=dataset, graph_dict=graph, weights=weights, settings=settings
+    )
+    return project_start(project=project)
+
+
+@pytest.mark.parametrize("model", [TwoNorms, FrozenNormFirst])
+def test_batch_norm_statistics_train_like_torch_on_the_unsplit_model(
+    researcher: User, digits_dataset: Any, model: type[torch.nn.Module]
+) -> None:
+    """One micro-batch per step, so each step normalises the whole batch as torch does: after 2 steps every
+    parameter and every running statistic equals the torch module's, trained in train mode by
+    torch.optim.SGD."""
+    torch.manual_seed(0)
+    net = model()
+    project = normed_project(researcher, digits_dataset, net)
+    assert stages.project_partition(project=project).stages[1].graph.trained_buffers()
+    (ann,) = users("ann")
+    while project.current_version().number < 2:
+        result = offer(ann)
+        assert result is not None
+        assert send(ann, result).status == "valid", Result.objects.get(pk=result.pk).reason
+    optimizer = torch.optim.SGD([p for p in net.parameters() if p.requires_grad], lr=0.1, momentum=0.9)
+    x, y = shard_load(shard=project.dataset.shards.get(split=DatasetShard.Split.TRAIN, index=0))
+    net.train()
+    for step in range(2):
+        window = slice(step * BATCH, (step + 1) * BATCH)
+        optimizer.zero_grad()
+        torch.nn.functional.cross_entropy(
+            net(torch.from_numpy(x[window].copy())), torch.from_numpy(y[window].copy()).long()
+        ).backward()
+        optimizer.step()
+    published = version_weights(version=ModelVersion.objects.get(project=project, number=2))
+    expected = {k: v for k, v in net.state_dict().items() if not k.endswith("num_batches_tracked")}
+    assert any("running_var" in name for name in expected)
+    for name, value in expected.items():
+        torch.testing.assert_close(published[name], value, rtol=1e-5, atol=1e-5, msg=name)
+
+
+def without_buffers(result: Result) -> tuple[bytes, float]:
+    payload, loss = honest(result)
+    grad, tensors = stages.payload_split(payload)
+    kept = {k: v for k, v in codecs.decode(tensors)[0].items() if "running" not in k}
+    return stages.backward_payload(input_grad=grad, grads=codecs.encode(kept, "fp32")), loss
+
+
+def test_a_backward_result_without_its_stages_statistics_is_invalid(
+    researcher: User, digits_dataset: Any
+) -> None:
+    project = normed_project(researcher, digits_dataset, TwoNorms())
+    ann, mallory = users("ann", "mallory")
+    result = forward_then(project, [ann, mallory])
+    outcome = send(mallory, result, without_buffers)
+    assert outcome.status == "invalid" and "trained buffers" in outcome.reason, outcome

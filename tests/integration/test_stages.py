@@ -5,12 +5,13 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+import torch
 from django.contrib.auth.models import User
 
 from engine.pipeline import StageUnitError
 from projects import lifecycle, stages
 from projects.models import Project, WorkUnit
-from projects.services import ProjectError, project_create, project_start, project_update
+from projects.services import ProjectError, project_create, project_pause, project_start, project_update
 
 pytestmark = pytest.mark.django_db
 
@@ -70,7 +71,7 @@ def test_the_backward_chain_ends_where_nothing_before_trains(
 def test_a_data_parallel_project_cannot_be_switched_to_a_budget_it_exceeds(
     researcher: User, digits_dataset: Any
 ) -> None:
-    project = pipeline(researcher, digits_dataset, batch_size=25)
+    project = project_pause(project=pipeline(researcher, digits_dataset, batch_size=25))
     with pytest.raises(ProjectError, match="Choose the pipeline mode"):
         project_update(project=project, changes={"mode": "sync_sgd", "device_memory_mb": 1})
     project_update(project=project, changes={"mode": "pipeline", "device_memory_mb": 1, "pipeline_stages": 0})
@@ -101,3 +102,77 @@ def test_a_stage_unit_is_sent_again_however_often_it_fails(researcher: User, dig
         lifecycle.work_unit_fail(work_unit=unit)
     unit.refresh_from_db()
     assert unit.is_open and unit.wanted == 6
+
+
+# --- changing the partition ---------------------------------------------------------------------------
+
+
+def test_a_running_pipeline_project_refuses_partition_changes_but_not_others(
+    researcher: User, digits_dataset: Any
+) -> None:
+    project = pipeline(researcher, digits_dataset)
+    for changes in ({"pipeline_stages": 2}, {"micro_batches": 3}, {"batch_size": 5}, {"mode": "sync_sgd"}):
+        with pytest.raises(ProjectError, match="cannot change while the project runs.*Pause the project"):
+            project_update(project=project, changes=changes)
+    project_update(project=project, changes={"learning_rate": 0.01, "pipeline_stages": 3})  # unchanged: fine
+    project.refresh_from_db()
+    assert (project.pipeline_stages, project.learning_rate) == (3, 0.01)
+    paused = project_pause(project=project)
+    project_update(project=paused, changes={"pipeline_stages": 2})
+    assert Project.objects.get(pk=project.pk).pipeline_stages == 2
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_step_a_pause_interrupted_starts_over_under_the_new_stage_count(
+    researcher: User, digits_dataset: Any
+) -> None:
+    """Units computed before the pause were cut in 3 stages; the step runs again in 2 and trains exactly as
+    torch.optim.SGD on the unsplit model does on the restarted step's batch."""
+    from projects.models import ModelVersion
+    from projects.services import version_weights
+    from tests.integration.test_pipeline_mode import BATCH, MICRO, offer, pipeline_project, send, users
+
+    project = pipeline_project(researcher, digits_dataset)
+    (ann,) = users("ann")
+    for _ in range(3):  # the step's first units, before the pause
+        result = offer(ann)
+        assert result is not None and send(ann, result).status == "valid"
+    start = int(Project.objects.get(pk=project.pk).data_cursor)  # the restarted step's first sample
+    project = project_pause(project=project)
+    project_update(project=project, changes={"pipeline_stages": 2})
+    project_start(project=project)
+    while project.current_version().number < 1:
+        result = offer(ann)
+        assert result is not None and send(ann, result).status == "valid"
+    old = WorkUnit.objects.filter(version__number=0, status=WorkUnit.Status.CANCELLED)
+    assert old.count() >= 3 and old.filter(results__validation="valid").count() == 3
+    step = WorkUnit.objects.filter(version__number=0, status=WorkUnit.Status.VALIDATED)
+    assert {unit.stage for unit in step} == {0, 1} and step.count() == 2 * MICRO
+    published = version_weights(version=ModelVersion.objects.get(project=project, number=1))
+    expected = torch_sgd_step(project, start, start + BATCH * MICRO)
+    for name, value in expected.items():
+        torch.testing.assert_close(published[name], value, rtol=1e-5, atol=1e-5)
+
+
+def torch_sgd_step(project: Project, start: int, end: int) -> dict[str, torch.Tensor]:
+    """One torch.optim.SGD step (lr 0.1, momentum 0.9) of version 0 on training samples [start, end)."""
+    from engine.runtime import compute_gradients
+    from projects.datasets import shard_load
+    from projects.models import DatasetShard
+    from projects.services import project_graph, version_weights
+
+    graph = project_graph(project=project)
+    weights = version_weights(version=project.versions.get(number=0))
+    params = {p.name: torch.nn.Parameter(weights[p.name].clone()) for p in graph.params}
+    x, y = shard_load(shard=project.dataset.shards.get(split=DatasetShard.Split.TRAIN, index=0))
+    grads = compute_gradients(
+        graph,
+        weights,
+        {graph.inputs[0].name: torch.from_numpy(x[start:end].copy())},
+        {graph.targets[0].name: torch.from_numpy(y[start:end].copy())},
+    ).grads
+    optimizer = torch.optim.SGD(params.values(), lr=0.1, momentum=0.9)
+    for name, param in params.items():
+        param.grad = grads[name].clone()
+    optimizer.step()
+    return {name: param.detach() for name, param in params.items()}

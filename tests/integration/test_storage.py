@@ -274,6 +274,33 @@ def test_a_replay_is_caught_after_the_replayed_update_was_deleted(
     assert outcome.status == "invalid" and "replay" in outcome.reason
 
 
+def test_stage_blobs_are_released_once_their_step_is_over_and_collected(
+    researcher: User, digits_dataset: Any
+) -> None:
+    """Pipeline mode: activations, output gradients and stage weights stay while their step runs (a backward
+    unit reads its forward unit's input), and are released and collected once the step is published."""
+    from tests.integration.test_pipeline_mode import offer, pipeline_project, send, users
+
+    project = pipeline_project(researcher, digits_dataset, micro_batches=2)  # the MLP in 3 stages
+    (ann,) = users("ann")
+    while project.current_version().number < 1:
+        result = offer(ann)
+        assert result is not None and send(ann, result).status == "valid"
+    first = WorkUnit.objects.filter(version__number=0)
+    held = {sha for name in storage.STAGE_BLOBS for sha in first.values_list(f"{name}_id", flat=True) if sha}
+    activations = set(first.exclude(input_blob=None).values_list("input_blob_id", flat=True))
+    assert len(activations) == 4 and first.exclude(grad_blob=None).count() == 4  # stages 1 and 2, M = 2
+    next_step = set(WorkUnit.objects.filter(version__number=1).values_list("stage_weights_id", flat=True))
+
+    assert storage.storage_release_decided() >= first.count()
+    assert not first.exclude(**dict.fromkeys(storage.STAGE_BLOBS)).exists()
+    assert not WorkUnit.objects.filter(version__number=1, stage_weights=None).exists()  # its step runs
+    collect()
+    gone = {sha for sha in held if not Blob.objects.filter(pk=sha).exists()}
+    assert activations <= gone and not gone & next_step
+    assert_every_referenced_blob_on_disk()
+
+
 # --- pruned versions -------------------------------------------------------------------------------
 
 
