@@ -174,7 +174,12 @@ def _judge_stage(result: Result) -> Result:
         return result
     _validate(result=result)
     _settle(work_unit=work_unit, canonical=result)
-    stages.stage_successor_create(work_unit=work_unit, output=result.blob, input_grad=parts.input_grad_bytes)
+    stages.stage_successor_create(
+        work_unit=work_unit,
+        output=result.blob,
+        input_grad=parts.input_grad_bytes,
+        sent_digest=result.sent_digest,
+    )
     return result
 
 

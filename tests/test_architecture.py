@@ -20,7 +20,7 @@ LAYERS = (
     ("projects.blobs", "projects.shares", "projects.selectors"),
     ("projects.datasets", "projects.storage"),
     ("projects.stages",),
-    ("projects.lifecycle",),
+    ("projects.lifecycle", "projects.ring"),
     ("projects.services",),
     ("projects.pipeline",),
     ("projects.validation", "projects.training", "projects.baseline"),
