@@ -220,6 +220,8 @@ CELERY_BEAT_SCHEDULE = {
         "schedule": float(os.environ.get("CROWDTRAIN_STORAGE_SWEEP_SECONDS", 60)),
     },
     "queue-baselines": {"task": "projects.tasks.queue_baselines", "schedule": 60.0},
+    # Pipeline volunteers moved to the stage that is the bottleneck or lost its own (projects/swarms.py).
+    "rebalance-pipelines": {"task": "projects.tasks.rebalance_pipelines", "schedule": 10.0},
     # Devices whose connection died without a goodbye (their process killed): disconnected, work released.
     "sweep-devices": {"task": "workers.tasks.sweep_devices", "schedule": float(SOCKET_HEARTBEAT_SECONDS)},
     # BOINC projects dump their statistics once a day; the minute is arbitrary (off the hour's peak).

@@ -33,7 +33,7 @@ from django.db.models import Case, Q, QuerySet, Sum, Value, When
 from django.utils import timezone
 
 from engine import spec
-from projects import notify, stages
+from projects import notify, stages, swarms
 from projects.blobs import blob_put
 from projects.models import DatasetShard, ModelVersion, Project, Result, WorkUnit
 from projects.shares import shares_order, usage_charge
@@ -197,7 +197,9 @@ def work_unit_offer(
         )
     with transaction.atomic():
         limits = fitting.limits_for(device=device, preferences=preferences, memory_mb=memory_mb)
-        work_unit, samples, why = _fitting_work_unit(user=user, preferences=preferences, limits=limits)
+        work_unit, samples, why = _fitting_work_unit(
+            user=user, preferences=preferences, limits=limits, device_id=device.pk if device else None
+        )
         if work_unit is None:
             return Offer(None, why)
         result = _send(work_unit=work_unit, samples=samples, user=user, volunteer=volunteer, device=device)
@@ -205,22 +207,32 @@ def work_unit_offer(
 
 
 def _fitting_work_unit(
-    *, user: User, preferences: Preferences, limits: fitting.Limits
+    *, user: User, preferences: Preferences, limits: fitting.Limits, device_id: int | None = None
 ) -> tuple[WorkUnit | None, int, str]:
     """The next open work unit of an allowed project that fits, with the samples that fit. A work unit that
     does not fit rules out its project for this request, unless it could fit once split (only fresh ones
-    are split): then only itself."""
+    are split): then only itself. A stage unit the device's swarm holds for another member rules out its
+    stage (projects/swarms.py)."""
     allowed, why = preferences.project_filter(), "no_work"
     for _ in range(MAX_FIT_TRIES):
-        work_unit = _next_open_work_unit(user=user, allowed=allowed)
+        work_unit = _next_open_work_unit(user=user, allowed=allowed, device_id=device_id)
         if work_unit is None:
             return None, 0, why
         fit = fitting.fit(work_unit=work_unit, limits=limits)
         if fit.samples and (fit.samples >= work_unit.count or not work_unit.total_results):
-            return work_unit, fit.samples, ""
+            if _stage_claimed(work_unit=work_unit, device_id=device_id):
+                return work_unit, fit.samples, ""
+            allowed &= ~Q(project_id=work_unit.project_id, stage=work_unit.stage)
+            continue
         why = fit.reason or "too_large"
         allowed &= ~Q(pk=work_unit.pk) if fit.samples else ~Q(project_id=work_unit.project_id)
     return None, 0, why
+
+
+def _stage_claimed(*, work_unit: WorkUnit, device_id: int | None) -> bool:
+    if not work_unit.stage_kind or device_id is None:
+        return True
+    return swarms.stage_unit_claim(work_unit=work_unit, device_id=device_id)
 
 
 def _send(
@@ -287,11 +299,14 @@ def work_sendable() -> bool:
     return _sendable().exists()
 
 
-def _next_open_work_unit(*, user: User, allowed: Q | None = None) -> WorkUnit | None:
+def _next_open_work_unit(
+    *, user: User, allowed: Q | None = None, device_id: int | None = None
+) -> WorkUnit | None:
     """The project furthest below its resource share that has work for `user` (shares.py), and its oldest
     open round's work first, so that each project's round keeps moving. One query over the open work units
     (one round's worth per project, fed by the feeder) whatever the history. `allowed`: a condition on the
-    work units (the volunteer's choice of projects, those that did not fit)."""
+    work units (the volunteer's choice of projects, those that did not fit). Stage units: those the device's
+    swarm membership allows, its own stage's first (projects/swarms.py)."""
     order = shares_order()
     if not order:
         return None
@@ -301,12 +316,13 @@ def _next_open_work_unit(*, user: User, allowed: Q | None = None) -> WorkUnit | 
     return (
         _sendable()
         .filter(allowed or Q())
+        .filter(swarms.stage_units_eligible(device_id=device_id))
         .select_for_update(skip_locked=True, of=("self",), no_key=True)
         .exclude(results__volunteer=user)
         .select_related(
             "project", "version__weights", "version__wire_weights", "shard__blob", "project__graph"
         )
-        .order_by(rank, "version__created_at", "id")
+        .order_by(rank, *swarms.stage_units_own_first(device_id=device_id), "version__created_at", "id")
         .first()
     )
 

@@ -532,6 +532,10 @@ class Result(models.Model):
                 condition=models.Q(validation="valid", aggregated=False, status="received"),
                 name="result_unaggregated",
             ),
+            # what each device holds in flight (projects/swarms.py routes a stage unit by it),
+            models.Index(
+                fields=["device"], condition=models.Q(status="in_progress"), name="result_device_in_flight"
+            ),
             # and the latest valid norms (validation._norm_problem), newest first.
             models.Index(
                 fields=["-id"],
@@ -546,6 +550,37 @@ class Result(models.Model):
     @property
     def is_valid(self) -> bool:
         return self.validation == self.Validation.VALID
+
+
+class StageMember(models.Model):
+    """A connected device serving one stage of a pipeline project (issue 14, item 4; projects/swarms.py).
+    While a member it is offered only that stage's units, so it keeps the stage's weights cached; it leaves
+    when it disconnects, and the rebalancer may move it to another stage."""
+
+    project = models.ForeignKey(Project, on_delete=models.CASCADE, related_name="stage_members")
+    device = models.ForeignKey("workers.Device", on_delete=models.CASCADE, related_name="stage_memberships")
+    stage = models.PositiveSmallIntegerField()
+    joined_at = models.DateTimeField(default=timezone.now, help_text="When it joined this stage.")
+    # FLOPs over compute time of its valid stage results in this project, averaged (0: none yet). Routing
+    # reads it; a device's speed differs by stage and backend, so the stage's own results are what count.
+    speed_gflops = models.FloatField(default=0.0)
+
+    class Meta:
+        constraints = [
+            models.UniqueConstraint(fields=["project", "device"], name="one_stage_per_device_and_project")
+        ]
+        indexes = [models.Index(fields=["project", "stage"], name="stagemember_project_stage")]
+
+    def __str__(self) -> str:
+        return f"device {self.device_id} on stage {self.stage} of project {self.project_id}"
+
+    def observe(self, *, flops: int, compute_ms: int) -> None:
+        """One valid stage result: its server-side FLOPs over its reported compute time (bounded by the
+        time the unit was out, lifecycle._record_arrival)."""
+        if flops <= 0 or compute_ms <= 0:
+            return
+        measured = flops / (compute_ms * 1e6)
+        self.speed_gflops = measured if not self.speed_gflops else 0.7 * self.speed_gflops + 0.3 * measured
 
 
 class ProjectUsage(models.Model):

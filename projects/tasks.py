@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from celery import shared_task
 
-from projects import baseline, lifecycle, notify, services, storage, training, validation
+from projects import baseline, lifecycle, notify, services, storage, swarms, training, validation
 from projects.models import Project
 
 
@@ -26,6 +26,12 @@ def feed_work_units() -> int:
     if lifecycle.work_sendable():
         notify.work_available()
     return created
+
+
+@shared_task
+def rebalance_pipelines() -> int:
+    """Beat: move pipeline volunteers to the stage that is the bottleneck or lost its volunteers."""
+    return swarms.pipelines_rebalance()
 
 
 @shared_task

@@ -48,7 +48,7 @@ from engine import codecs
 from engine.aggregate import check_update
 from engine.graph import Graph
 from engine.runtime import compute_gradients, local_steps
-from projects import notify, pipeline, stages
+from projects import notify, pipeline, stages, swarms
 from projects.blobs import blob_put, blob_view
 from projects.datasets import shard_load
 from projects.lifecycle import result_invalidate, result_reject, results_abandon, results_awaiting_quorum
@@ -173,6 +173,7 @@ def _judge_stage(result: Result) -> Result:
         result_invalidate(result=result, reason=reason)
         return result
     _validate(result=result)
+    swarms.stage_member_observe(result=result)
     _settle(work_unit=work_unit, canonical=result)
     stages.stage_successor_create(
         work_unit=work_unit,

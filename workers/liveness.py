@@ -17,6 +17,7 @@ from django.utils import timezone
 from projects import notify
 from projects.lifecycle import results_release
 from projects.models import Result
+from projects.swarms import stage_members_leave
 from workers.models import Device
 
 SWEEP_BATCH = 1000  # devices per sweep: a backlog is worked off over the next runs, each one short
@@ -30,7 +31,8 @@ def devices_touch(*, device_ids: list[int], now: datetime) -> int:
 
 def devices_depart(*, left: dict[int, datetime]) -> int:
     """Connections that ended, by device and when: each device is disconnected as of then, unless it
-    connected again since (a new connection's hello may come before the old one's departure is written)."""
+    connected again since (a new connection's hello may come before the old one's departure is written),
+    and serves no pipeline stage any more (projects/swarms.py)."""
     with transaction.atomic():
         devices = Device.objects.select_for_update(no_key=True).filter(
             pk__in=list(left), disconnected_at__isnull=True
@@ -39,6 +41,7 @@ def devices_depart(*, left: dict[int, datetime]) -> int:
         for device in gone:
             device.disconnect(now=left[device.pk])
         Device.objects.bulk_update(gone, ["online_ms", "disconnected_at"], batch_size=BATCH)
+        stage_members_leave(device_ids=[device.pk for device in gone])
     return len(gone)
 
 

@@ -10,6 +10,7 @@ from django.contrib.auth.models import User
 from django.db import transaction
 from django.utils import timezone
 
+from projects.swarms import stage_members_leave
 from workers.models import CreditEntry, Device, Team, TeamProjectCredit, Volunteer, VolunteerProjectCredit
 
 if TYPE_CHECKING:
@@ -139,8 +140,10 @@ def _device_key(*, volunteer: Volunteer, client_id: str | None, backend: str) ->
 
 
 def device_disconnect(*, device_id: int) -> None:
+    """The device's connection ended: disconnected, and it serves no pipeline stage any more."""
     with transaction.atomic():
         device = Device.objects.select_for_update(no_key=True).filter(pk=device_id).first()
         if device is not None and device.disconnected_at is None:
             device.disconnect(now=timezone.now())
             device.save(update_fields=["online_ms", "disconnected_at"])
+            stage_members_leave(device_ids=[device_id])
