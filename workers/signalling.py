@@ -2,9 +2,10 @@
 
 A volunteer's browser sends an SDP offer or answer or an ICE candidate for another device; the server
 forwards it, stamped with the sender's device, to that device's connections when `signalling_allowed` says
-the pair may talk (the devices of adjacent stages of one step). A data channel shows each browser the other's network addresses, so who may signal whom
-is the server's decision, never the client's. Peers are named by Device id; the message goes through the
-recipient volunteer's group (every connection joins it) and only connections of the named device pass it on.
+the pair may talk (the devices of adjacent stages of one step). A data channel shows each browser the
+other's network addresses, so who may signal whom is the server's decision, never the client's. Peers are
+named by Device id; the message goes through the recipient volunteer's group (every connection joins it) and
+only connections of the named device pass it on.
 """
 
 from __future__ import annotations
