@@ -20,6 +20,7 @@ LAYERS = (
     ("projects.blobs", "projects.shares", "projects.selectors"),
     ("projects.datasets", "projects.storage"),
     ("projects.stages",),
+    ("projects.swarms",),
     ("projects.lifecycle", "projects.ring"),
     ("projects.services",),
     ("projects.pipeline",),

@@ -253,12 +253,18 @@
       this.sendBinary = sendBinary;
       this.fetch = fetchImpl || ((url) => fetch(url, { credentials: "same-origin", cache: "no-store" }));
       this.options = options;
-      this.signals = new SocketSignals(sendJson);
+      // Signals are what the ring costs the server: counted both ways, as their JSON.
+      this.signals = new SocketSignals((msg) => {
+        this.stats.signalBytes += JSON.stringify(msg).length;
+        return sendJson(msg);
+      });
       this.kept = new Map(); // digest -> Uint8Array
       this.keptBytes = 0;
       this.outgoing = new Map(); // peer -> {link, pending: Map digest -> {resolve, reject, bound}}
       this.incoming = [];
-      this.stats = { pulledPeer: 0, pulledRelay: 0, servedPeer: 0, servedRelay: 0, fetches: 0, missing: 0, rejected: 0 };
+      this.stats = {
+        pulledPeer: 0, pulledRelay: 0, servedPeer: 0, servedRelay: 0, signalBytes: 0, fetches: 0, rejected: 0,
+      };
     }
 
     static usable() {
@@ -292,6 +298,7 @@
 
     // A `signal` from the server: for a link this page opened, or an offer from a consumer of its payloads.
     onSignal(msg) {
+      this.stats.signalBytes += JSON.stringify(msg).length;
       if (this.signals.route(msg)) return;
       if (msg.kind !== "offer") return;
       const channel = this.signals.channel(msg.from, msg.link);
