@@ -25,7 +25,7 @@ from tests.e2e.test_volunteer_journey import sign_up
 from tests.integration.test_simulator import volunteer
 from workers.simulator import Simulator, SimulatorStats
 
-pytestmark = [pytest.mark.e2e, pytest.mark.browser, pytest.mark.slow]
+pytestmark = [pytest.mark.e2e, pytest.mark.browser, pytest.mark.slow, pytest.mark.timeout(1500)]
 
 PROJECT, DATASET = "MNIST MLP (demo)", "MNIST digits (demo)"
 MEMORY_MB, MICRO_BATCH, MICRO_BATCHES, STAGES = 1, 25, 4, 2
@@ -189,20 +189,21 @@ def test_two_browsers_and_a_simulated_volunteer_train_the_pipeline_peer_to_peer(
     assert ledger == expected_credit(stack) > 0
     assert not query(stack, "SELECT 1 FROM projects_result WHERE validation = 'invalid'")
 
-    # Peer to peer: each browser took the other's payloads from it, and the server carried only signals.
+    # Peer to peer: each browser took the other's payloads from it (activations one way, their gradients the
+    # other), the server carrying only their signals.
     assert all(r["pulledPeer"] > 0 and r["servedPeer"] > 0 for r in ring), ring
     peer_bytes = sum(r["pulledPeer"] for r in ring)
     relayed = 2 * peer_bytes  # through the relay: up to the server, then down
     through_server = sum(r["signalBytes"] for r in ring)  # each signal counted by its sender and receiver
-    relay_rows = query(
+    stored = query(
         stack,
         "SELECT count(*), coalesce(sum(b.size), 0) FROM projects_workunit w JOIN projects_blob b "
         "ON b.sha256 IN (w.input_blob_id, w.grad_blob_id) WHERE w.stage_kind <> ''",
-    )
+    )[0]
     print(
         f"payloads between the browsers: {peer_bytes} bytes peer to peer, {through_server} bytes of signals "
-        f"through the server (relayed, they would have been {relayed}); payloads stored for relay "
-        f"(simulated volunteer's, first untrusted ones): {relay_rows[0]}"
+        f"through the server (relayed, they would have been {relayed}); activation blobs on the server "
+        f"(uploads before trust, the simulated volunteer's, relays for it): {stored[0]}, {stored[1]} bytes"
     )
     assert through_server < 0.05 * relayed, (through_server, relayed)
     for context in contexts:

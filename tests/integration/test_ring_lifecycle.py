@@ -56,6 +56,7 @@ class Peers:
 def ring_answer(peers: Peers, result: Result) -> tuple[bytes, float, str]:
     """The frame, the loss and the digest of what went by the ring ('' when the payload was uploaded)."""
     message = protocol.assign_message(result)["work_unit"]
+    assert 0 <= message["stage"]["seed"] < 2**53  # a JSON number a browser reads exactly
     unit = simulator.Unit.parse(message)
     shard = message["shards"][0]
     x, y = shard_load(shard=result.work_unit.shard)

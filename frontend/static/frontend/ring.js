@@ -329,6 +329,8 @@
     // of `shape`: from the peer, else relayed to `url`. `alive()` false stops waiting (the unit was cancelled).
     async pull({ source, url, workUnit, what, shape, alive = () => true }) {
       const bound = payloadBound(shape);
+      const own = this.kept.get(source.digest); // this page made it (it moved to the next stage since)
+      if (own) return own.slice();
       if (source.peer !== null && source.peer !== undefined && PayloadRing.usable()) {
         try {
           const bytes = await this._fromPeer(source.peer, source.digest, bound);
