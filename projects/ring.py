@@ -162,7 +162,9 @@ def ring_fetch(*, user_id: int, work_unit_id: int, what: str) -> Fetch:
             _attach(work_unit=work_unit, blob=blob)
             return Fetch("ready", digest)
         producer = producer_result(work_unit=work_unit, what=what)
-        device = Device.objects.filter(pk=producer.device_id).first() if producer else None
+        device = (
+            Device.objects.filter(pk=producer.device_id).first() if producer and producer.device_id else None
+        )
         if producer is None or device is None or device.disconnected_at is not None:
             ring_payload_lost(work_unit=work_unit, digest=digest)
             return Fetch("lost", digest)
@@ -245,7 +247,7 @@ def _decodes(work_unit: WorkUnit, digest: str, payload: bytes) -> bool:
 
 
 def _attach(*, work_unit: WorkUnit, blob: Blob) -> None:
-    fields = []
+    fields: list[str] = []
     if work_unit.input_digest == blob.sha256 and work_unit.input_blob_id is None:
         work_unit.input_blob, fields = blob, [*fields, "input_blob"]
     if work_unit.grad_digest == blob.sha256 and work_unit.grad_blob_id is None:

@@ -317,7 +317,7 @@ def unit_flops(*, work_unit: WorkUnit) -> int:
 def unit_seed(*, work_unit: WorkUnit) -> int:
     """The dropout seed of a stage's micro-batch: its forward and backward units draw the same masks."""
     key = f"{work_unit.project_id}:{work_unit.version_id}:{work_unit.micro_batch}:{work_unit.stage}"
-    # 52 bits: browsers take seeds as JSON numbers, exact only below 2**53 (frontend/static/engine/pipeline.js).
+    # 52 bits: browsers read seeds as JSON numbers, exact only below 2**53 (engine/pipeline.js).
     return int(hashlib.sha256(key.encode()).hexdigest()[:13], 16)
 
 

@@ -214,10 +214,10 @@ class VolunteerConsumer(SignallingMixin, RingMixin, AsyncWebsocketConsumer):  # 
         self.waiting = False
         self.assigned.add(offer.result.work_unit_id)  # first: if the reply fails, disconnect releases it
         if offer.result.work_unit.stage_kind:  # its peer ring fields read the database (projects/ring.py)
-            message = await database_sync_to_async(protocol.assign_message)(offer.result, why=offer.why)
+            assign = await database_sync_to_async(protocol.assign_message)(offer.result, why=offer.why)
         else:
-            message = protocol.assign_message(offer.result, why=offer.why)
-        await self.send_json(message)
+            assign = protocol.assign_message(offer.result, why=offer.why)
+        await self.send_json(assign)
 
     async def on_progress(self, message: protocol.Progress) -> None:
         """Heartbeats keep the connection alive; deadlines are enforced by the transitioner."""

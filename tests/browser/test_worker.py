@@ -226,8 +226,10 @@ def stage_work(static_server: Any) -> dict[str, Any]:
     out0, in1 = sent(stage_forward(stages[0], weights, {"x": mx}).output, "activation")
     out1, in2 = sent(stage_forward(stages[1], weights, in1).output, "activation")
     last = stage_backward(stages[2], weights, in2, targets={"y": my}, loss_scale=SCALE)
+    assert last.input_grad is not None
     grad2, dy1 = sent(last.input_grad, "gradient")
     middle = stage_backward(stages[1], weights, in1, dy1)
+    assert middle.input_grad is not None
     grad1, dy0 = sent(middle.input_grad, "gradient")
     first = stage_backward(stages[0], weights, {"x": mx}, dy0)
     want = {

@@ -131,6 +131,7 @@ def run_simulator(stack: Stack, results: list[SimulatorStats]) -> threading.Thre
 
 def test_the_data_parallel_modes_refuse_the_model_over_the_budget(stack: Stack, browser: Any) -> None:
     page = browser.new_page()
+    page.set_default_timeout(120_000)  # creating a project from a preset takes its time on a loaded machine
     admin_login(page, stack)
     page.goto(stack.url + "/admin/projects/project/add/")
     page.fill("input[name=name]", "MLP in one browser")

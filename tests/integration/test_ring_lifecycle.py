@@ -235,7 +235,8 @@ def test_a_payload_whose_producer_left_is_computed_again_and_the_step_still_equa
     assert first.validation == Result.Validation.VALID  # its credit stays: it did the work
     work(project, peers, [ben, cat], steps=1)
     assert WorkUnit.objects.get(pk=consumer.pk).status == WorkUnit.Status.VALIDATED
-    assert Result.objects.get(pk=WorkUnit.objects.get(pk=producer.pk).canonical_result_id).volunteer != ann
+    canonical = WorkUnit.objects.get(pk=producer.pk).canonical_result_id
+    assert canonical is not None and Result.objects.get(pk=canonical).volunteer != ann
     published = version_weights(version=ModelVersion.objects.get(project=project, number=1))
     for name, value in torch_steps(project, 1).items():
         torch.testing.assert_close(published[name], value, rtol=1e-5, atol=1e-5)
