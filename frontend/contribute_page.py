@@ -50,6 +50,7 @@ def _status_strings() -> dict[str, str]:
         "why_choice": _("your choice"),
         "why_share": _("its turn by resource share"),
         "why_only": _("the only project with work for you"),
+        "stage_of": _("serving stage %(stage)s of %(stages)s of its model"),
     }
 
 
@@ -131,6 +132,7 @@ def _log_strings() -> dict[str, str]:
         "log_resumed": _("resumed"),
         "log_released": _("gave back work units %(ids)s, not started"),
         "log_cancelled": _("work unit %(id)s cancelled (%(reason)s)"),
+        "log_ring_failed": _("work unit %(id)s given back: its input did not come (%(error)s)"),
         "log_uploaded": _("work unit %(id)s uploaded (%(status)s)"),
         "log_not_used": _("work unit %(id)s not used: %(reason)s"),
         "log_validated": _("work unit %(id)s validated: +%(credit)s"),

@@ -355,10 +355,11 @@ def result_receive(
     download_ms: int = 0,
     payload: bytes,
     model_version: int | None = None,
+    sent_digest: str = "",
 ) -> ResultOutcome:
     """Store a volunteer's update and queue it for validation. Duplicates and late results are harmless.
     An update claiming another model version than its work unit's is invalid at once (`model_version`
-    None: not claimed)."""
+    None: not claimed). `sent_digest`: a stage result's payload went by the peer ring (projects/ring.py)."""
     if len(payload) > settings.CROWDTRAIN["MAX_RESULT_BYTES"]:
         raise ResultError("too_large", "The update is larger than this server accepts.")
     with transaction.atomic():
@@ -374,7 +375,7 @@ def result_receive(
             _refuse(result=result, reason=wrong_version)
         else:
             result.blob = blob_put(data=payload)
-            result.digest = result.blob.sha256
+            result.digest, result.sent_digest = result.blob.sha256, sent_digest
             result.save()
             transaction.on_commit(lambda: notify.result_received(result_id=result.pk))
     # Read it back: with eager tasks (tests) validation has already run inside on_commit.

@@ -230,6 +230,11 @@ class Project(models.Model):
         default="fp16",
         help_text="Pipeline: how activations and their gradients travel (engine/activations.py).",
     )
+    pipeline_ring = models.BooleanField(
+        default=False,
+        help_text="Pipeline: activations and their gradients go straight from one stage's volunteer to the "
+        "next one's over WebRTC, with the server as the fallback. Peers see each other's network addresses.",
+    )
     max_versions = models.PositiveIntegerField(default=100000, help_text="Stop after this many steps.")
     # Set by staff, never by the project's researcher: a researcher must not be able to starve other projects.
     resource_share = models.PositiveIntegerField(
@@ -406,6 +411,10 @@ class WorkUnit(models.Model):
     # recomputation reads): referenced here, so they are served with a grant and kept from the collector.
     stage_graph = models.ForeignKey(Blob, on_delete=models.PROTECT, related_name="+", null=True, blank=True)
     stage_weights = models.ForeignKey(Blob, on_delete=models.PROTECT, related_name="+", null=True, blank=True)
+    # The peer ring (projects/ring.py): the SHA-256 of the input activation and of the output gradient when
+    # they went from volunteer to volunteer; `input_blob` / `grad_blob` stay None until relayed through here.
+    input_digest = models.CharField(max_length=64, blank=True, default="")
+    grad_digest = models.CharField(max_length=64, blank=True, default="")
     created_at = models.DateTimeField(auto_now_add=True)
 
     class Meta:
@@ -495,6 +504,9 @@ class Result(models.Model):
     blob = models.ForeignKey(Blob, on_delete=models.PROTECT, related_name="+", null=True, blank=True)
     # The update's SHA-256, kept after its blob is released (projects/storage.py): replays are caught by it.
     digest = models.CharField(max_length=64, blank=True, db_index=True)
+    # A stage result whose payload (activation, input gradient) went by the peer ring: its SHA-256, as the
+    # volunteer reported it; the payload itself is not in `blob` (projects/ring.py).
+    sent_digest = models.CharField(max_length=64, blank=True, default="")
     samples = models.PositiveIntegerField(default=0)
     loss = models.FloatField(null=True, blank=True)
     compute_ms = models.PositiveIntegerField(default=0)

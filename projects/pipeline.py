@@ -72,8 +72,11 @@ def stage_result_check(*, result: Result, spot_check: bool) -> tuple[str | None,
         return f"expected {work_unit.count} samples, got {result.samples}", StageParts()
     if result.loss is None or not math.isfinite(result.loss):
         return "the loss is not a finite number", StageParts()
+    if result.sent_digest and (work_unit.spot_check or not _ring_may_send(work_unit)):
+        return "the server asked for this unit's payload, and got only its digest", StageParts()
     try:
-        parts = _parts(work_unit=work_unit, payload=result.blob.read() if result.blob else b"")
+        payload = result.blob.read() if result.blob else b""
+        parts = _parts(work_unit=work_unit, payload=payload, by_ring=bool(result.sent_digest))
     except (StageUnitError, activations.ActivationError, codecs.CodecError) as exc:
         return f"malformed stage result: {exc}", StageParts()
     if parts is None:
@@ -84,18 +87,35 @@ def stage_result_check(*, result: Result, spot_check: bool) -> tuple[str | None,
     if not spot_check:
         return None, parts
     result.spot_checked = True
-    return _disagreement(work_unit=work_unit, parts=parts), parts
+    return _disagreement(work_unit=work_unit, parts=parts, by_ring=bool(result.sent_digest)), parts
 
 
-def _parts(*, work_unit: WorkUnit, payload: bytes) -> StageParts | None:
+def _ring_may_send(work_unit: WorkUnit) -> bool:
+    """Ring on, and the unit sends something to an adjacent stage (ring.produces_payload, a layer up)."""
+    if not work_unit.project.pipeline_ring:
+        return False
+    return work_unit.stage_kind == FORWARD or bool(
+        work_unit.stage and unit_stage(work_unit=work_unit).needs_input_grad
+    )
+
+
+def _parts(*, work_unit: WorkUnit, payload: bytes, by_ring: bool = False) -> StageParts | None:
+    """`by_ring`: the activation or input gradient went to the next volunteer, which checks it against the
+    digest; the frame holds the rest (nothing, or the parameter gradients after a zero length)."""
     codec = work_unit.project.activation_codec
     if work_unit.stage_kind == FORWARD:
+        if by_ring:
+            if payload:
+                raise StageUnitError("a result sent by the ring carries no activation")
+            return StageParts()
         shape = output_shape(work_unit=work_unit)
         return StageParts(activation=activations.decode(payload, shape, kind="activation", codec=codec))
     stage = unit_stage(work_unit=work_unit)
     grad_bytes, grads_bytes = payload_split(payload)
     input_grad = None
-    if stage.needs_input_grad:
+    if by_ring and grad_bytes:
+        raise StageUnitError("a result sent by the ring carries no input gradient")
+    if stage.needs_input_grad and not by_ring:
         shape = input_shape(stage, work_unit.count)
         input_grad = activations.decode(grad_bytes, shape, kind="gradient", codec=codec)
     elif grad_bytes:
@@ -111,8 +131,12 @@ def _parts(*, work_unit: WorkUnit, payload: bytes) -> StageParts | None:
     return StageParts(input_grad=input_grad, grads=grads, buffers=buffers, input_grad_bytes=grad_bytes)
 
 
-def _disagreement(*, work_unit: WorkUnit, parts: StageParts) -> str | None:
+def _disagreement(*, work_unit: WorkUnit, parts: StageParts, by_ring: bool = False) -> str | None:
+    """`by_ring`: a volunteer that lost its trust after the unit was sent (it would not have been let use
+    the ring otherwise): only its parameter gradients are here to compare."""
     reference = stage_unit_recompute(work_unit=work_unit)
+    if by_ring:
+        reference.activation = reference.input_grad = None
     codec = work_unit.project.activation_codec
     pairs = (
         ("output activation", parts.activation, reference.activation, "activation"),

@@ -62,6 +62,7 @@ TRAINING_SETTINGS = (
     "pipeline_stages",
     "micro_batches",
     "activation_codec",
+    "pipeline_ring",
     "target_metric",
     "target_value",
 )

@@ -21,6 +21,7 @@ from __future__ import annotations
 import hashlib
 import struct
 from collections.abc import Mapping
+from dataclasses import dataclass
 from functools import lru_cache
 
 import torch
@@ -226,27 +227,46 @@ def slice_tensors(shard: DatasetShard, offset: int, count: int) -> tuple[Tensor,
     return torch.from_numpy(x[window].copy()), torch.from_numpy(y[window].copy())
 
 
-def stage_successor_create(*, work_unit: WorkUnit, output: Blob | None, input_grad: bytes) -> WorkUnit | None:
+@dataclass(frozen=True)
+class Payload:
+    """An activation or gradient a unit reads: its blob on the server, or only the digest of what went by the
+    peer ring (projects/ring.py), or both once relayed."""
+
+    blob: Blob | None = None
+    digest: str = ""
+
+
+def stage_successor_create(
+    *, work_unit: WorkUnit, output: Blob | None, input_grad: bytes, sent_digest: str = ""
+) -> WorkUnit | None:
     """The unit a validated `work_unit` makes ready (see the module's docstring), or None at stage 0's
-    backward. Called in the validating transaction, holding the work unit's lock."""
+    backward. Called in the validating transaction, holding the work unit's lock. `sent_digest`: the result's
+    payload went by the peer ring, and only its digest is known here. A unit computed again because its
+    payload was lost (ring.ring_payload_lost) feeds the units already waiting for it instead."""
     last = len(project_partition(project=work_unit.project).stages) - 1
     k = work_unit.stage or 0
     if work_unit.stage_kind == FORWARD:
         kind = FORWARD if k + 1 < last else BACKWARD
-        return _successor(work_unit=work_unit, kind=kind, stage=k + 1, inputs=output, grad=None)
+        out = Payload(digest=sent_digest) if sent_digest else Payload(blob=output)
+        if kind == FORWARD:
+            _refeed(work_unit=work_unit, kind=BACKWARD, stage=k + 1, inputs=out)
+        return _successor(work_unit=work_unit, kind=kind, stage=k + 1, inputs=out, grad=None)
     if k == 0 or not unit_stage(work_unit=work_unit).needs_input_grad:
         return None  # nothing before this stage trains: the micro-batch's backward pass ends here
-    grad = blob_put(data=input_grad)
+    grad = Payload(digest=sent_digest) if sent_digest else Payload(blob=blob_put(data=input_grad))
     forward = WorkUnit.objects.exclude(status=WorkUnit.Status.CANCELLED).get(
         version=work_unit.version, stage_kind=FORWARD, stage=k - 1, micro_batch=work_unit.micro_batch
     )
-    return _successor(work_unit=work_unit, kind=BACKWARD, stage=k - 1, inputs=forward.input_blob, grad=grad)
+    inputs = Payload(blob=forward.input_blob, digest=forward.input_digest)
+    return _successor(work_unit=work_unit, kind=BACKWARD, stage=k - 1, inputs=inputs, grad=grad)
 
 
 def _successor(
-    *, work_unit: WorkUnit, kind: str, stage: int, inputs: Blob | None, grad: Blob | None
-) -> WorkUnit:
+    *, work_unit: WorkUnit, kind: str, stage: int, inputs: Payload, grad: Payload | None
+) -> WorkUnit | None:
     transaction.on_commit(_work_available)
+    if _refeed(work_unit=work_unit, kind=kind, stage=stage, inputs=inputs, grad=grad):
+        return None
     return WorkUnit.objects.create(
         project=work_unit.project,
         version=work_unit.version,
@@ -256,12 +276,40 @@ def _successor(
         stage_kind=kind,
         stage=stage,
         micro_batch=work_unit.micro_batch,
-        input_blob=inputs,
-        grad_blob=grad,
+        input_blob=inputs.blob,
+        input_digest=inputs.digest,
+        grad_blob=grad.blob if grad else None,
+        grad_digest=grad.digest if grad else "",
         loss_scale=work_unit.loss_scale,
         **STAGE_UNIT_LIMITS,
         **_stage_blobs(project=work_unit.project, version=work_unit.version, stage=stage),
     )
+
+
+def _refeed(
+    *, work_unit: WorkUnit, kind: str, stage: int, inputs: Payload, grad: Payload | None = None
+) -> bool:
+    """Whether the unit (kind, stage) of the micro-batch exists already; if it waits, it gets the payloads
+    of `work_unit`, computed again (ring.ring_payload_lost), and is wanted again."""
+    existing = (
+        WorkUnit.objects.select_for_update(no_key=True)
+        .filter(version=work_unit.version, stage_kind=kind, stage=stage, micro_batch=work_unit.micro_batch)
+        .exclude(status=WorkUnit.Status.CANCELLED)
+        .first()
+    )
+    if existing is None:
+        return False
+    if existing.status != WorkUnit.Status.OPEN:
+        return True
+    fields: dict[str, object] = {}
+    if existing.input_blob_id is None:
+        fields |= {"input_blob": inputs.blob, "input_digest": inputs.digest}
+    if grad is not None and existing.grad_blob_id is None:
+        fields |= {"grad_blob": grad.blob, "grad_digest": grad.digest}
+    if not existing.results.filter(status=Result.Status.IN_PROGRESS).exists():
+        fields["wanted"] = max(existing.wanted, 1)
+    WorkUnit.objects.filter(pk=existing.pk).update(**fields)
+    return True
 
 
 def _stage_blobs(*, project: Project, version: ModelVersion, stage: int) -> dict[str, str]:
@@ -316,7 +364,8 @@ def unit_flops(*, work_unit: WorkUnit) -> int:
 def unit_seed(*, work_unit: WorkUnit) -> int:
     """The dropout seed of a stage's micro-batch: its forward and backward units draw the same masks."""
     key = f"{work_unit.project_id}:{work_unit.version_id}:{work_unit.micro_batch}:{work_unit.stage}"
-    return int(hashlib.sha256(key.encode()).hexdigest()[:15], 16)
+    # 52 bits: browsers read seeds as JSON numbers, exact only below 2**53 (engine/pipeline.js).
+    return int(hashlib.sha256(key.encode()).hexdigest()[:13], 16)
 
 
 def input_shape(stage: Stage, count: int) -> list[int]:

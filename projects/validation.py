@@ -175,7 +175,12 @@ def _judge_stage(result: Result) -> Result:
     _validate(result=result)
     swarms.stage_member_observe(result=result)
     _settle(work_unit=work_unit, canonical=result)
-    stages.stage_successor_create(work_unit=work_unit, output=result.blob, input_grad=parts.input_grad_bytes)
+    stages.stage_successor_create(
+        work_unit=work_unit,
+        output=result.blob,
+        input_grad=parts.input_grad_bytes,
+        sent_digest=result.sent_digest,
+    )
     return result
 
 

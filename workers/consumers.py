@@ -34,6 +34,7 @@ from workers.models import Device
 from workers.preferences import DEFAULTS, Preferences, preferences_effective
 from workers.presence import PRESENCE
 from workers.protocol import ProtocolError, ResultMeta
+from workers.ring import RelayMeta, RingMixin
 from workers.services import device_disconnect, device_register
 from workers.signalling import SignallingMixin
 
@@ -42,11 +43,12 @@ UNAUTHENTICATED = protocol.CLOSE_UNAUTHENTICATED
 THROTTLED = protocol.CLOSE_THROTTLED
 
 
-class VolunteerConsumer(SignallingMixin, AsyncWebsocketConsumer):  # `signal`: the peer ring
+class VolunteerConsumer(SignallingMixin, RingMixin, AsyncWebsocketConsumer):  # the peer ring: signal, relay
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.assigned: set[int] = set()  # work units this connection holds; released if it drops
-        self.pending: ResultMeta | None = None  # a result whose tensors arrive in the next binary frame
+        # A result whose tensors arrive in the next binary frame, or a relayed ring payload (workers/ring.py).
+        self.pending: ResultMeta | RelayMeta | None = None
         self.greeted = False
         self.waiting = False
         self.refused = False
@@ -211,7 +213,11 @@ class VolunteerConsumer(SignallingMixin, AsyncWebsocketConsumer):  # `signal`: t
             return
         self.waiting = False
         self.assigned.add(offer.result.work_unit_id)  # first: if the reply fails, disconnect releases it
-        await self.send_json(protocol.assign_message(offer.result, why=offer.why))
+        if offer.result.work_unit.stage_kind:  # its peer ring fields read the database (projects/ring.py)
+            assign = await database_sync_to_async(protocol.assign_message)(offer.result, why=offer.why)
+        else:
+            assign = protocol.assign_message(offer.result, why=offer.why)
+        await self.send_json(assign)
 
     async def on_progress(self, message: protocol.Progress) -> None:
         """Heartbeats keep the connection alive; deadlines are enforced by the transitioner."""
@@ -236,6 +242,12 @@ class VolunteerConsumer(SignallingMixin, AsyncWebsocketConsumer):  # `signal`: t
 
     async def on_tensors(self, payload: bytes) -> None:
         meta = self._claim_pending(len(payload))
+        if isinstance(meta, RelayMeta):
+            try:
+                await self.on_relayed(meta, payload)
+            finally:
+                limits.RESULT_BYTES.give_back(len(payload))
+            return
         try:
             outcome = await database_sync_to_async(result_receive)(
                 user=self.user,
@@ -246,6 +258,7 @@ class VolunteerConsumer(SignallingMixin, AsyncWebsocketConsumer):  # `signal`: t
                 download_ms=meta.download_ms,
                 payload=payload,
                 model_version=meta.model_version,
+                sent_digest=meta.sent_digest,
             )
         except ResultError as exc:
             raise ProtocolError(exc.code, str(exc), work_unit=meta.work_unit) from exc
@@ -254,18 +267,19 @@ class VolunteerConsumer(SignallingMixin, AsyncWebsocketConsumer):  # `signal`: t
         self.assigned.discard(meta.work_unit)
         await self.send_json(protocol.ack_message(outcome))
 
-    def _claim_pending(self, size: int) -> ResultMeta:
+    def _claim_pending(self, size: int) -> ResultMeta | RelayMeta:
         """The result these bytes belong to, once they fit this server's limits (then held in the budget)."""
         meta, self.pending = self.pending, None
         if meta is None:
             raise ProtocolError("bad_message", "A binary frame must follow a result message.")
+        work_unit = meta.work_unit if isinstance(meta, ResultMeta) else None
         if size > settings.CROWDTRAIN["MAX_RESULT_BYTES"]:
             raise ProtocolError(
-                "too_large", "The update is larger than this server accepts.", work_unit=meta.work_unit
+                "too_large", "The update is larger than this server accepts.", work_unit=work_unit
             )
         if not limits.result_bytes_take(size):
             raise ProtocolError(
-                "busy", "The server is busy with other uploads: retry later.", work_unit=meta.work_unit
+                "busy", "The server is busy with other uploads: retry later.", work_unit=work_unit
             )
         return meta
 

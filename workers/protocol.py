@@ -14,7 +14,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationErr
 
 from engine import spec
 from engine.partition import Stage
-from projects import stages
+from projects import ring, stages
 from projects.blobs import shard_url, stage_blob_url
 from projects.lifecycle import ResultOutcome
 from projects.models import Result, WorkUnit
@@ -94,6 +94,15 @@ class Timings(_Schema):
     compute_ms: Millis = 0
 
 
+Digest = Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]  # SHA-256, lowercase hex
+
+
+class Sent(_Schema):
+    """A stage result's payload that went to the next volunteer by the peer ring (projects/ring.py)."""
+
+    digest: Digest
+
+
 class ResultMessage(_Schema):
     type: Literal["result"]
     work_unit: Count
@@ -101,6 +110,7 @@ class ResultMessage(_Schema):
     samples: Count
     loss: Annotated[float, Field(allow_inf_nan=False)]
     timings: Timings = Timings()
+    sent: Sent | None = None
 
 
 class Release(_Schema):
@@ -125,7 +135,24 @@ class Signal(_Schema):
     link: Annotated[str, Field(pattern=SIGNAL["link_pattern"])] = "0"
 
 
-ClientMessage = Hello | Ready | Progress | ResultMessage | Release | Bye | Signal
+class Fetch(_Schema):
+    """The peer ring: a payload the unit reads did not come from its peer; the server is to relay it."""
+
+    type: Literal["fetch"]
+    work_unit: Count
+    what: Literal["input", "output_grad"]
+
+
+class Relay(_Schema):
+    """The peer ring: the payload `digest` the server asked for (`upload`), in the next binary frame; or
+    `missing`: this browser no longer has it (no frame follows)."""
+
+    type: Literal["relay"]
+    digest: Digest
+    missing: bool = False
+
+
+ClientMessage = Hello | Ready | Progress | ResultMessage | Release | Bye | Signal | Fetch | Relay
 SCHEMAS: dict[str, type[ClientMessage]] = {
     "hello": Hello,
     "ready": Ready,
@@ -134,6 +161,8 @@ SCHEMAS: dict[str, type[ClientMessage]] = {
     "release": Release,
     "bye": Bye,
     "signal": Signal,
+    "fetch": Fetch,
+    "relay": Relay,
 }
 CLIENT_TYPES = set(SCHEMAS)
 
@@ -146,6 +175,7 @@ class ResultMeta:
     loss: float
     compute_ms: int
     download_ms: int
+    sent_digest: str = ""
 
 
 def parse_message(text: str) -> ClientMessage:
@@ -209,6 +239,7 @@ def result_meta(message: ResultMessage) -> ResultMeta:
         loss=message.loss,
         compute_ms=message.timings.compute_ms,
         download_ms=message.timings.download_ms,
+        sent_digest=message.sent.digest if message.sent else "",
     )
 
 
@@ -317,6 +348,11 @@ def signal_message(message: Signal, *, sender: int) -> dict[str, Any]:
     return {"type": "signal", "from": sender, **fields}
 
 
+def upload_message(digest: str) -> dict[str, Any]:
+    """The peer ring: send the payload `digest` (one this browser sent by the ring) with a `relay`."""
+    return {"type": "upload", "digest": digest}
+
+
 def error_message(code: str, message: str, *, work_unit: int | None = None) -> dict[str, Any]:
     """`work_unit` names the result a refusal is about, so the client knows which one to send again."""
     extra = {} if work_unit is None else {"work_unit": work_unit}
@@ -338,15 +374,23 @@ def stage_assign_message(result: Result, *, why: str = "share") -> dict[str, Any
             "stage": _stage_fields(work_unit=work_unit, stage=stage),
             "graph_url": _granted(result, work_unit.stage_graph_id),
             "weights_url": _granted(result, work_unit.stage_weights_id),
-            "input_url": _granted(result, work_unit.input_blob_id),
-            "output_grad_url": _granted(result, work_unit.grad_blob_id),
+            "input_url": _granted(result, work_unit.input_blob_id or work_unit.input_digest or None),
+            "output_grad_url": _granted(result, work_unit.grad_blob_id or work_unit.grad_digest or None),
             "shards": [_stage_shard(result)],
             "batch_size": work_unit.count,
             "deadline": result.deadline.isoformat(),
             "codec": "fp32",
             "activation_codec": project.activation_codec,
+            "ring": _ring_fields(result) if ring.ring_on(work_unit=work_unit) else None,
         },
     }
+
+
+def _ring_fields(result: Result) -> dict[str, Any]:
+    """The peer ring (projects/ring.py): whether this unit may send its payload by the ring (then its result
+    names only the digest), and, for each payload it reads that is not on the server, its digest and the
+    device to get it from (null: nobody; ask the server with `fetch`)."""
+    return {"send": ring.ring_send_allowed(result=result), **ring.ring_sources(work_unit=result.work_unit)}
 
 
 def _stage_fields(*, work_unit: WorkUnit, stage: Stage) -> dict[str, Any]:
@@ -360,6 +404,8 @@ def _stage_fields(*, work_unit: WorkUnit, stage: Stage) -> dict[str, Any]:
         "needs_input_grad": stage.needs_input_grad,
         "seed": stages.unit_seed(work_unit=work_unit),
         "loss_scale": work_unit.loss_scale,
+        "input_shape": stages.input_shape(stage, work_unit.count) if stage.index else None,
+        "output_shape": None if stage.last else stages.output_shape(work_unit=work_unit),
     }
 
 

@@ -2,9 +2,10 @@
 
 A volunteer's browser sends an SDP offer or answer or an ICE candidate for another device; the server
 forwards it, stamped with the sender's device, to that device's connections when `signalling_allowed` says
-the pair may talk. A data channel shows each browser the other's network addresses, so who may signal whom
-is the server's decision, never the client's. Peers are named by Device id; the message goes through the
-recipient volunteer's group (every connection joins it) and only connections of the named device pass it on.
+the pair may talk (the devices of adjacent stages of one step). A data channel shows each browser the
+other's network addresses, so who may signal whom is the server's decision, never the client's. Peers are
+named by Device id; the message goes through the recipient volunteer's group (every connection joins it) and
+only connections of the named device pass it on.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from config.db import database_sync_to_async
 from projects import notify
+from projects.ring import ring_adjacent
 from workers import protocol
 from workers.models import Device
 from workers.protocol import ProtocolError
@@ -30,9 +32,11 @@ class Peer:
 
 
 def signalling_allowed(sender: Peer, recipient: Peer) -> bool:
-    """Whether `sender` may open a link to `recipient` (both connected). For now any two devices but one
-    with itself; pipeline mode narrows this to the volunteers of adjacent stages of one step."""
-    return sender.device_id != recipient.device_id
+    """Whether `sender` may open a link to `recipient` (both connected): only two devices of adjacent stages
+    of one step of a project with the ring on, one of them computing (projects/ring.ring_adjacent)."""
+    if sender.device_id == recipient.device_id:
+        return False
+    return ring_adjacent(device_id=sender.device_id, other_id=recipient.device_id)
 
 
 def signal_recipient(*, sender: Peer, device_id: int) -> Peer | None:

@@ -27,6 +27,7 @@ import re
 import secrets
 import struct
 import time
+import urllib.error
 import urllib.parse
 import urllib.request
 from collections import OrderedDict
@@ -163,6 +164,9 @@ class Unit:
     input_url: str | None = None
     output_grad_url: str | None = None
     activation_codec: str = "fp16"
+    # The peer ring (projects/ring.py): payloads not on the server yet. The simulator has no WebRTC: it
+    # always asks the server to relay them (`fetch`), and uploads its own payloads whole.
+    ring: dict[str, Any] | None = None
 
     @classmethod
     def parse(cls, raw: dict[str, Any]) -> Unit:
@@ -183,6 +187,7 @@ class Unit:
             input_url=raw.get("input_url"),
             output_grad_url=raw.get("output_grad_url"),
             activation_codec=str(raw.get("activation_codec", "fp16")),
+            ring=raw.get("ring"),
         )
 
     @property
@@ -332,6 +337,7 @@ def honest_update(
 
 # --- pipeline stage units -----------------------------------------------------------------------------
 
+RELAY_WAIT_S = 120.0  # a ring payload's producer has this long to upload it on the server's request
 STAGE_LENGTH = struct.Struct("<Q")  # a backward payload's framing, as projects/stages.py reads it
 
 
@@ -738,8 +744,26 @@ class _Work:
 
     async def _blobs(self) -> tuple[bytes | None, bytes | None]:
         """A stage unit's input activation and output gradient (None where it has none)."""
-        urls = (self.unit.input_url, self.unit.output_grad_url)
-        return tuple([await self.sim.download(url) if url else None for url in urls])  # type: ignore[return-value]
+        found = []
+        for what, url in (("input", self.unit.input_url), ("output_grad", self.unit.output_grad_url)):
+            relayed = bool(self.unit.ring and self.unit.ring.get(what))
+            found.append(await self._relayed(what, url) if relayed and url else await self._blob(url))
+        return found[0], found[1]
+
+    async def _blob(self, url: str | None) -> bytes | None:
+        return await self.sim.download(url) if url else None
+
+    async def _relayed(self, what: str, url: str) -> bytes:
+        """A payload that went by the peer ring: the server has its producer upload it, then serves it."""
+        await self.session.send({"type": "fetch", "work_unit": self.unit.id, "what": what})
+        deadline = time.monotonic() + RELAY_WAIT_S
+        while True:
+            try:
+                return await self.sim.download(url)
+            except urllib.error.HTTPError:
+                if time.monotonic() > deadline or self.cancel.is_set():
+                    raise
+                await asyncio.sleep(0.5)
 
     async def _run_stage(
         self, graph: Graph, flops: int, weights: Tensors, inputs: StageInputs, started: float

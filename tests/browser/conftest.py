@@ -23,9 +23,11 @@ HARNESS = Path(__file__).resolve().parent / "harness"
 
 class _Handler(SimpleHTTPRequestHandler):
     blob_dir: Path
+    requested: list[str]
 
     def translate_path(self, path: str) -> str:
         path = path.split("?", 1)[0].split("#", 1)[0]
+        self.requested.append(path)
         for prefix, base in (
             ("/static/vendor/", VENDOR),
             ("/static/", STATIC),
@@ -46,7 +48,8 @@ class _Handler(SimpleHTTPRequestHandler):
 class StaticServer:
     def __init__(self, blob_dir: Path) -> None:
         self.blob_dir = blob_dir
-        handler = type("Handler", (_Handler,), {"blob_dir": blob_dir})
+        self.requested: list[str] = []  # every path asked for, in order (what a client downloaded)
+        handler = type("Handler", (_Handler,), {"blob_dir": blob_dir, "requested": self.requested})
         self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), handler)
         self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
         self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)

@@ -192,3 +192,185 @@ def test_worker_local_steps_with_error_feedback(
     # Quantisation error did not pile up over the 4 units (the residual was carried forward).
     assert feedback_error < 0.5 * plain_error, (feedback_error, plain_error)
     assert all(torch.equal(updates[4][k], updates[0][k]) for k in want.delta)  # project B: fresh residual
+
+
+# --- pipeline mode: stage units (docs/protocol.md "Stage units") ------------------------------------------
+
+STAGE_COUNT, MICRO, CODEC, SCALE = 3, 8, "fp16", 0.25
+
+
+def b64_bytes(data: bytes) -> str:
+    return base64.b64encode(data).decode("ascii")
+
+
+@pytest.fixture(scope="module")
+def stage_work(static_server: Any) -> dict[str, Any]:
+    """One micro-batch of the MLP cut in 3 stages, every unit computed by the server's interpreter from the
+    same encoded inputs the browser is given: what the worker must send back."""
+    from engine import activations
+    from engine.graph import graph_to_json, load_graph
+    from engine.partition import MemoryModel, partition
+    from engine.pipeline import stage_backward, stage_forward, stage_weights
+
+    g, weights = presets.export_preset("mlp", seed=0)
+    stages = partition(load_graph(g), STAGE_COUNT, MemoryModel(micro_batch=MICRO, optimizer_slots=0)).stages
+    x, y = digits(2)
+    offset = 5
+    mx, my = x[offset : offset + MICRO], y[offset : offset + MICRO].long()
+    shard = put(static_server, codecs.encode({"x": x, "y": y}))
+
+    def sent(t: torch.Tensor, kind: str) -> tuple[bytes, torch.Tensor]:
+        blob = activations.encode(t, codec=CODEC, kind=kind)
+        return blob, activations.decode(blob, list(t.shape), kind=kind, codec=CODEC)
+
+    out0, in1 = sent(stage_forward(stages[0], weights, {"x": mx}).output, "activation")
+    out1, in2 = sent(stage_forward(stages[1], weights, in1).output, "activation")
+    last = stage_backward(stages[2], weights, in2, targets={"y": my}, loss_scale=SCALE)
+    assert last.input_grad is not None
+    grad2, dy1 = sent(last.input_grad, "gradient")
+    middle = stage_backward(stages[1], weights, in1, dy1)
+    assert middle.input_grad is not None
+    grad1, dy0 = sent(middle.input_grad, "gradient")
+    first = stage_backward(stages[0], weights, {"x": mx}, dy0)
+    want = {
+        "forward0": stage_forward(stages[0], weights, {"x": mx}).output,
+        "forward1": stage_forward(stages[1], weights, in1).output,
+        "last": last,
+        "middle": middle,
+        "first": first,
+    }
+    blobs = {"out0": out0, "out1": out1, "grad2": grad2, "grad1": grad1}
+    urls = {name: put(static_server, data) for name, data in blobs.items()}
+    for k, stage in enumerate(stages):
+        urls[f"graph{k}"] = put(static_server, graph_to_json(stage.graph))
+        urls[f"weights{k}"] = put(static_server, codecs.encode(stage_weights(stage, weights)))
+    return {"stages": stages, "want": want, "blobs": blobs, "urls": urls, "shard": shard, "offset": offset}
+
+
+def stage_assign(work: dict[str, Any], unit: int, k: int, kind: str, **fields: Any) -> dict[str, Any]:
+    """An assign as projects/protocol.stage_assign_message builds it (the URLs' grants are a query)."""
+    stage, urls = work["stages"][k], work["urls"]
+    following = work["stages"][k + 1] if k + 1 < STAGE_COUNT else None
+    return {
+        "id": unit,
+        "project": {"id": 9, "name": "Pipe"},
+        "model_version": 4,
+        "task": f"stage_{kind}",
+        "stage": {
+            "index": k,
+            "count": STAGE_COUNT,
+            "kind": kind,
+            "micro_batch": 0,
+            "step": 4,
+            "last": stage.last,
+            "needs_input_grad": stage.needs_input_grad,
+            "seed": 7,
+            "loss_scale": SCALE,
+            "input_shape": [MICRO, *stage.graph.inputs[0].shape[1:]] if k else None,
+            "output_shape": [MICRO, *following.graph.inputs[0].shape[1:]] if following else None,
+        },
+        "graph_url": f"{urls[f'graph{k}']}?grant=g{unit}",
+        "weights_url": f"{urls[f'weights{k}']}?grant=g{unit}",
+        "input_url": None,
+        "output_grad_url": None,
+        "shards": [{"url": work["shard"], "offset": work["offset"], "count": MICRO}],
+        "batch_size": MICRO,
+        "deadline": "2030-01-01T00:00:00Z",
+        "codec": "fp32",
+        "activation_codec": CODEC,
+        "ring": None,
+        **fields,
+    }
+
+
+def backward_parts(result: dict[str, Any]) -> tuple[bytes, dict[str, torch.Tensor]]:
+    from projects.stages import payload_split
+
+    grad, grads = payload_split(base64.b64decode(result["bytes"]))
+    return grad, codecs.decode(grads)[0] if grads else {}
+
+
+def test_worker_computes_every_kind_of_stage_unit_as_the_server_does(
+    harness: Any, static_server: Any, stage_work: dict[str, Any]
+) -> None:
+    """Each unit's payload passes the server's own spot check against its recomputation
+    (projects/pipeline.py: activations.spot_check, parameter gradients within GRADS_TOLERANCE); units given
+    their inputs by the peer ring leave out the payload they send by it; the stage's graph and weights are
+    downloaded once for all units of the stage, whatever their grants."""
+    from engine import activations
+    from projects.pipeline import GRADS_TOLERANCE
+
+    work, urls, want = stage_work, stage_work["urls"], stage_work["want"]
+    ring_in = {"send": True, "input": {"digest": "", "peer": 1}, "output_grad": None}
+    assigns = [
+        stage_assign(work, 1, 0, "forward"),
+        stage_assign(work, 2, 1, "forward", input_url=urls["out0"]),
+        stage_assign(work, 3, 2, "backward", input_url=urls["out1"]),
+        stage_assign(work, 4, 1, "backward", input_url=urls["out0"], output_grad_url=urls["grad2"]),
+        stage_assign(work, 5, 0, "backward", output_grad_url=urls["grad1"]),
+        # By the ring: the inputs come with the unit (their URLs lead nowhere), the payload goes to `sent`.
+        {
+            **stage_assign(work, 6, 1, "forward", input_url="/blobs/not-relayed", ring=ring_in),
+            "payloads": {"input": b64_bytes(work["blobs"]["out0"])},
+        },
+        {
+            **stage_assign(
+                work, 7, 1, "backward", input_url="/blobs/not-relayed", output_grad_url="/blobs/no"
+            ),
+            "ring": ring_in,
+            "payloads": {
+                "input": b64_bytes(work["blobs"]["out0"]),
+                "output_grad": b64_bytes(work["blobs"]["grad2"]),
+            },
+        },
+    ]
+    static_server.requested.clear()
+    ready, *results = harness.evaluate("([b, a]) => harness.workerCompute(b, a)", [["webgl"], assigns])
+    assert ready["backend"] == "webgl"
+    assert [r["type"] for r in results] == ["result"] * 7, results
+    assert [r["work_unit"] for r in results] == list(range(1, 8))
+    assert all(r["samples"] == MICRO and r["model_version"] == 4 for r in results)
+
+    def activation(data: bytes, like: torch.Tensor, kind: str) -> torch.Tensor:
+        got = activations.decode(data, list(like.shape), kind=kind, codec=CODEC)
+        assert activations.spot_check(got, like, CODEC, kind=kind).accepted
+        return got
+
+    def grads_within(got: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> None:
+        assert set(got) == set(expected)
+        if not expected:  # a stage without params (the MLP's middle one holds only its ReLU)
+            return
+        assert rel_l2(got, expected) <= GRADS_TOLERANCE, rel_l2(got, expected)
+
+    forward0, forward1, last, middle, first, ring_forward, ring_backward = results
+    activation(base64.b64decode(forward0["bytes"]), want["forward0"], "activation")
+    activation(base64.b64decode(forward1["bytes"]), want["forward1"], "activation")
+    assert forward0["loss"] == 0 and forward0.get("sent") is None
+
+    grad, grads = backward_parts(last)
+    activation(grad, want["last"].input_grad, "gradient")
+    grads_within(grads, want["last"].grads)
+    assert abs(last["loss"] - want["last"].loss) <= 1e-4 * want["last"].loss
+
+    grad, grads = backward_parts(middle)
+    activation(grad, want["middle"].input_grad, "gradient")
+    grads_within(grads, want["middle"].grads)
+    grad, grads = backward_parts(first)
+    assert grad == b"" and not work["stages"][0].needs_input_grad
+    grads_within(grads, want["first"].grads)
+
+    assert base64.b64decode(ring_forward["bytes"]) == b""
+    sent = base64.b64decode(ring_forward["sent"]["bytes"])
+    assert ring_forward["sent"]["digest"] == hashlib.sha256(sent).hexdigest()
+    activation(sent, want["forward1"], "activation")
+    grad, grads = backward_parts(ring_backward)
+    assert grad == b""
+    grads_within(grads, want["middle"].grads)
+    sent = base64.b64decode(ring_backward["sent"]["bytes"])
+    assert ring_backward["sent"]["digest"] == hashlib.sha256(sent).hexdigest()
+    activation(sent, want["middle"].input_grad, "gradient")
+
+    requested = static_server.requested
+    for k in range(STAGE_COUNT):
+        assert requested.count(urls[f"graph{k}"]) == requested.count(urls[f"weights{k}"]) == 1, requested
+    assert "/blobs/not-relayed" not in requested and requested.count(urls["out0"]) == 1  # backward: cached

@@ -28,6 +28,13 @@ OFFER = "v=0\r\no=- 4611731400430051336 2 IN IP4 127.0.0.1\r\ns=-\r\nt=0 0\r\n"
 
 
 @pytest.fixture(autouse=True)
+def adjacent(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every pair computes adjacent stages here: which pairs do is projects/ring.ring_adjacent's, tested with
+    the lifecycle (tests/integration/test_ring_lifecycle.py); the hook's wiring is tested below."""
+    monkeypatch.setattr(signalling, "ring_adjacent", lambda *, device_id, other_id: True)
+
+
+@pytest.fixture(autouse=True)
 def fresh_counters(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     """The connect throttle counts in Redis, which outlives a test's database."""
     monkeypatch.setattr(limits, "current_window", lambda: 1)

@@ -582,7 +582,9 @@
       "result",
       "release",
       "bye",
-      "signal"
+      "signal",
+      "fetch",
+      "relay"
     ],
     "server_messages": [
       "welcome",
@@ -593,7 +595,8 @@
       "credit",
       "idle",
       "error",
-      "signal"
+      "signal",
+      "upload"
     ],
     "preferences": {
       "duty_cycle_percent": [

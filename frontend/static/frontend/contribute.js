@@ -6,6 +6,9 @@
 // the duty cycle; this page pauses it while the tab is hidden, on battery, or while the volunteer uses the
 // page, and gives back (`release`) work it has not started when a pause lasts. Every text shown comes from
 // the template's #contribute-strings (translated there).
+// Pipeline mode: a stage unit's activation or gradient from the volunteer of the adjacent stage comes over
+// the peer ring when the project uses it (ring.js PayloadRing: from the peer, else relayed by the server),
+// before the unit goes to the worker; what this page's units send by the ring it keeps for its consumers.
 (function () {
   "use strict";
 
@@ -17,6 +20,7 @@
   const SOCKET_PATH = app.dataset.socketPath || "/ws/volunteer/";
   const SOCKET_URL = app.dataset.socketUrl; // optional absolute ws(s):// URL (separate WebSocket host)
   const { reconnectDelay } = self.crowdtrain.backoff; // backoff.js: full-jitter exponential back-off
+  const { PayloadRing } = self.crowdtrain.ring; // ring.js: pipeline mode's peer ring
   const THROTTLED = PROTOCOL.close_codes.throttled; // too many connects in the last minute (docs/protocol.md)
   const THROTTLED_MS = 60000;
   const BUSY_RETRY_MS = 5000; // a result refused with `busy` is sent again after this (jittered)
@@ -60,6 +64,8 @@
       restUntil: 0, restTimer: null, askTimer: null, // the duty cycle's rest (this page's clock)
       idle: null, // the reason of the latest `idle`, until work comes
       project: null, // the latest work unit's project {id, name, why}
+      stage: null, // the latest stage unit's {index, count} (pipeline mode)
+      ring: null, // PayloadRing while running
       steps: [], // the worker's own {work_unit, start, end} of each unit, for the volunteer's (and tests') eyes
     };
   }
@@ -149,6 +155,10 @@
     if (!s.project) return;
     $("project").textContent = s.project.name;
     $("project-why").textContent = s.project.why ? t(`why_${s.project.why}`) : "";
+    const stage = $("project-stage");
+    stage.hidden = !s.stage;
+    stage.textContent = s.stage ? t("stage_of", { stage: s.stage.index + 1, stages: s.stage.count }) : "";
+    stage.dataset.stage = s.stage ? String(s.stage.index) : "";
   }
 
   function showPause(reason, text) {
@@ -351,7 +361,8 @@
     while (s.outbox.length && s.socket && s.socket.readyState === WebSocket.OPEN) {
       const item = s.outbox.shift();
       const { work_unit, model_version, samples, loss, timings } = item;
-      send({ type: "result", work_unit, model_version, samples, loss, timings });
+      const sent = item.sent ? { sent: { digest: item.sent.digest } } : {};
+      send({ type: "result", work_unit, model_version, samples, loss, timings, ...sent });
       s.socket.send(item.bytes);
       s.unacked.set(item.work_unit, item);
     }
@@ -387,7 +398,9 @@
       s.idle = null;
       s.inFlight.set(wu.id, wu);
       s.project = wu.project;
-      s.worker.postMessage({ cmd: "compute", assign: wu });
+      s.stage = wu.stage ? { index: wu.stage.index, count: wu.stage.count } : null;
+      if (wu.ring) computeWithRing(wu);
+      else s.worker.postMessage({ cmd: "compute", assign: wu });
       showProject();
       showWork();
       if (s.pause && performance.now() - s.pausedSince >= RELEASE_AFTER_MS) releaseUnstarted();
@@ -430,9 +443,15 @@
       s.idle = PROTOCOL.idle_reasons.includes(msg.reason) ? msg.reason : "no_work";
       showWork();
     },
-    // Pipeline mode's peer ring (ring.js SocketSignals.route): this page opens no links yet, and a peer's
-    // offer to a page that did not ask for it goes unanswered.
-    signal() {},
+    // Pipeline mode's peer ring (ring.js PayloadRing): signals of this page's links, and offers from the
+    // volunteers of adjacent stages (the server forwards no others) for the payloads this page kept.
+    signal(msg) {
+      if (s.ring) s.ring.onSignal(msg);
+    },
+    // The server asks for a payload this page sent by the ring: its consumer could not get it from here.
+    upload(msg) {
+      if (s.ring) s.ring.onUpload(msg);
+    },
     error(msg) {
       if (msg.code === "busy" && msg.work_unit !== undefined) resendLater(msg.work_unit); // a result
       else if (msg.code === "busy") s.asking = false; // that `ready` was refused, not queued
@@ -445,6 +464,36 @@
     const handler = handlers[msg.type];
     if (handler) handler(msg);
     else log(t("log_unknown_type", { type: msg.type }), true);
+  }
+
+  // ---- pipeline mode's peer ring ------------------------------------------------------------------------
+  // Gets what the stage unit reads from other volunteers (ring.js PayloadRing.pull), then hands it to the
+  // worker. A page that cannot use WebRTC sends its own payloads through the server and has others' relayed.
+  async function computeWithRing(wu) {
+    const usable = PayloadRing.usable();
+    const assign = { ...wu, ring: { ...wu.ring, send: Boolean(wu.ring.send && usable) } };
+    const payloads = {};
+    const shapes = { input: wu.stage.input_shape, output_grad: wu.stage.output_shape };
+    try {
+      for (const what of ["input", "output_grad"]) {
+        const source = wu.ring[what];
+        if (!source) continue;
+        const pulled = await s.ring.pull({
+          source: usable ? source : { ...source, peer: null }, url: wu[`${what}_url`], workUnit: wu.id, what,
+          shape: shapes[what], alive: () => s.running && s.inFlight.has(wu.id),
+        });
+        payloads[what] = pulled.buffer.byteLength === pulled.byteLength ? pulled.buffer : pulled.slice().buffer;
+      }
+    } catch (err) {
+      if (!s.inFlight.delete(wu.id)) return; // cancelled meanwhile
+      log(t("log_ring_failed", { id: wu.id, error: err.message }), true);
+      send({ type: "release", work_units: [wu.id] });
+      showWork();
+      setTimeout(askForWork, 2000);
+      return;
+    }
+    if (!s.inFlight.has(wu.id)) { s.cancelled.delete(wu.id); return; }
+    s.worker.postMessage({ cmd: "compute", assign, payloads }, Object.values(payloads));
   }
 
   // ---- worker ------------------------------------------------------------------------------------
@@ -502,6 +551,7 @@
 
   function onResult(msg) {
     s.inFlight.delete(msg.work_unit);
+    if (msg.sent) s.ring.keep(msg.sent.digest, new Uint8Array(msg.sent.bytes));
     showWork();
     updateRate(msg);
     log(t("log_result", {
@@ -520,6 +570,7 @@
     s.running = true;
     setRunning(true);
     setStatus(t("status_starting"), "waiting");
+    s.ring = new PayloadRing({ sendJson: send, sendBinary: (bytes) => s.socket && s.socket.send(bytes) });
     s.worker = new Worker(WORKER_URL);
     s.worker.onmessage = onWorkerMessage;
     s.worker.onerror = (event) => { log(t("log_engine_crashed", { error: event.message }), true); stop(); };
@@ -540,6 +591,7 @@
     }
     if (s.worker) s.worker.terminate();
     s.worker = null;
+    if (s.ring) s.ring.close();
     setRunning(false);
     setStatus(t("status_stopped"), "idle");
     showPause(null);
@@ -548,7 +600,11 @@
   }
 
   // For the volunteer's console and the browser tests: the worker's own timestamps of each unit.
-  self.crowdtrainContribute = { steps: () => s.steps.slice(), state: () => ({ pause: s.pause, idle: s.idle }) };
+  self.crowdtrainContribute = {
+    steps: () => s.steps.slice(),
+    state: () => ({ pause: s.pause, idle: s.idle, stage: s.stage }),
+    ring: () => (s.ring ? { ...s.ring.stats, kept: s.ring.kept.size } : null), // bytes by the peer and relayed
+  };
 
   $("contribute").addEventListener("click", start);
   $("stop").addEventListener("click", stop);

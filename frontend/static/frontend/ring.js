@@ -219,5 +219,202 @@
     }
   }
 
-  ns.ring = { PeerLink, SocketSignals, digest, CHUNK };
+  // ---- stage payloads over the ring (pipeline mode's lifecycle: projects/ring.py) ---------------------
+  // A producer keeps each payload it sent by the ring, by digest, and answers its consumers' requests over
+  // one link per peer; a consumer opens that link (the server lets only adjacent stages' devices signal each
+  // other), asks for a digest, and takes only bytes whose SHA-256 is that digest and whose size is within
+  // the bound. Anything else, or no channel, and it asks the server to relay (`fetch`) and reads its unit's
+  // URL once the producer has uploaded the bytes there (`upload` -> `relay`).
+  const WANT = "want:", NONE = "none:";
+  const TEXT = new TextEncoder();
+  const REQUEST_BYTES = WANT.length + 64;
+  const PULL_TIMEOUT_MS = 20000;
+  const RELAY_POLL_MS = 1000;
+  const RELAY_TIMEOUT_MS = 120000;
+  const KEEP_BYTES = 256 * 1024 * 1024; // payloads a producer keeps for its consumers (least recent first out)
+  const MAX_LINKS = 16; // each way
+
+  const hexOf = (bytes, prefix) => {
+    if (bytes.length !== REQUEST_BYTES) return null;
+    const text = String.fromCharCode(...bytes);
+    return text.startsWith(prefix) && /^[0-9a-f]{64}$/.test(text.slice(prefix.length)) ? text.slice(prefix.length) : null;
+  };
+
+  // Bytes an encoded activation or gradient of `shape` may take at most in any codec (int8 with one scale
+  // per element is the largest: 5 bytes an element), with its header.
+  function payloadBound(shape) {
+    return 5 * shape.reduce((a, b) => a * b, 1) + 8 + 4096;
+  }
+
+  class PayloadRing {
+    // sendJson(msg) -> bool, sendBinary(bytes): the volunteer WebSocket. options: PeerLink's (iceServers...).
+    constructor({ sendJson, sendBinary, fetchImpl, ...options }) {
+      this.sendJson = sendJson;
+      this.sendBinary = sendBinary;
+      this.fetch = fetchImpl || ((url) => fetch(url, { credentials: "same-origin", cache: "no-store" }));
+      this.options = options;
+      // Signals are what the ring costs the server: counted both ways, as their JSON.
+      this.signals = new SocketSignals((msg) => {
+        this.stats.signalBytes += JSON.stringify(msg).length;
+        return sendJson(msg);
+      });
+      this.kept = new Map(); // digest -> Uint8Array
+      this.keptBytes = 0;
+      this.outgoing = new Map(); // peer -> {link, pending: Map digest -> {resolve, reject, bound}}
+      this.incoming = [];
+      this.stats = {
+        pulledPeer: 0, pulledRelay: 0, servedPeer: 0, servedRelay: 0, signalBytes: 0, fetches: 0, rejected: 0,
+      };
+    }
+
+    static usable() {
+      return typeof RTCPeerConnection !== "undefined" && !!(self.crypto && crypto.subtle);
+    }
+
+    // ---- producer
+    keep(hex, bytes) {
+      if (this.kept.has(hex)) return;
+      this.kept.set(hex, bytes);
+      this.keptBytes += bytes.length;
+      for (const [old, b] of this.kept) {
+        if (this.keptBytes <= KEEP_BYTES) break;
+        this.kept.delete(old);
+        this.keptBytes -= b.length;
+      }
+    }
+
+    // The server's `upload`: relay what it asks for, or say it is gone.
+    onUpload(msg) {
+      const bytes = this.kept.get(msg.digest);
+      if (!bytes) {
+        this.sendJson({ type: "relay", digest: msg.digest, missing: true });
+        return;
+      }
+      if (this.sendJson({ type: "relay", digest: msg.digest })) {
+        this.sendBinary(bytes);
+        this.stats.servedRelay += bytes.length;
+      }
+    }
+
+    // A `signal` from the server: for a link this page opened, or an offer from a consumer of its payloads.
+    onSignal(msg) {
+      this.stats.signalBytes += JSON.stringify(msg).length;
+      if (this.signals.route(msg)) return;
+      if (msg.kind !== "offer") return;
+      const channel = this.signals.channel(msg.from, msg.link);
+      const relay = () => Promise.reject(new Error("ring: the link closed"));
+      // A consumer sends only requests: nothing larger is taken from it.
+      const link = new PeerLink({ signal: channel, initiator: false, relay, ...this.options, maxBytes: REQUEST_BYTES });
+      link.onpayload = (bytes) => this._answer(link, bytes);
+      this.incoming.push({ link, channel });
+      while (this.incoming.length > MAX_LINKS) {
+        const old = this.incoming.shift();
+        old.link.close();
+        old.channel.close();
+      }
+      channel.onmessage({ kind: msg.kind, data: msg.data });
+      link.open().catch(() => {});
+    }
+
+    _answer(link, bytes) {
+      const hex = hexOf(bytes, WANT);
+      if (!hex) return; // not a request: a consumer sends nothing else
+      const payload = this.kept.get(hex);
+      const reply = payload || TEXT.encode(NONE + hex);
+      link.send(reply).then(() => { if (payload) this.stats.servedPeer += payload.length; }).catch(() => {});
+    }
+
+    // ---- consumer
+    // The payload `source` ({digest, peer}) that unit `workUnit` reads as `what` ("input" | "output_grad"),
+    // of `shape`: from the peer, else relayed to `url`. `alive()` false stops waiting (the unit was cancelled).
+    async pull({ source, url, workUnit, what, shape, alive = () => true }) {
+      const bound = payloadBound(shape);
+      const own = this.kept.get(source.digest); // this page made it (it moved to the next stage since)
+      if (own) return own.slice();
+      if (source.peer !== null && source.peer !== undefined && PayloadRing.usable()) {
+        try {
+          const bytes = await this._fromPeer(source.peer, source.digest, bound);
+          this.stats.pulledPeer += bytes.length;
+          return bytes;
+        } catch (err) {
+          this.stats.rejected += /mismatch|bound/.test(String(err && err.message)) ? 1 : 0;
+        }
+      }
+      return this._fromRelay({ digest: source.digest, url, workUnit, what, bound, alive });
+    }
+
+    async _fromPeer(peer, hex, bound) {
+      const out = await this._linkTo(peer);
+      if ((await out.link.open()) !== "peer") throw new Error("ring: no channel to the peer");
+      const answer = new Promise((resolve, reject) => {
+        out.pending.set(hex, { resolve, reject, bound });
+        setTimeout(() => reject(new Error("ring: the peer did not answer")), PULL_TIMEOUT_MS);
+      });
+      // What a peer may make this page allocate: the largest payload asked for.
+      out.link.options.maxBytes = Math.max(REQUEST_BYTES, ...[...out.pending.values()].map((w) => w.bound));
+      try {
+        await out.link.send(TEXT.encode(WANT + hex));
+        return await answer;
+      } finally {
+        out.pending.delete(hex);
+      }
+    }
+
+    async _linkTo(peer) {
+      const known = this.outgoing.get(peer);
+      if (known && known.link.via !== "relay") return known;
+      if (known) this._drop(peer);
+      const id = `r${Array.from(crypto.getRandomValues(new Uint8Array(6)), (b) => b.toString(16).padStart(2, "0")).join("")}`;
+      const channel = this.signals.channel(peer, id);
+      const relay = () => Promise.reject(new Error("ring: the link closed"));
+      const link = new PeerLink({ signal: channel, initiator: true, relay, ...this.options, maxBytes: REQUEST_BYTES });
+      const out = { link, channel, pending: new Map() };
+      link.onpayload = (bytes, hex) => this._received(out, bytes, hex);
+      this.outgoing.set(peer, out);
+      while (this.outgoing.size > MAX_LINKS) this._drop(this.outgoing.keys().next().value);
+      return out;
+    }
+
+    _received(out, bytes, hex) {
+      const none = hexOf(bytes, NONE);
+      if (none && out.pending.has(none)) return out.pending.get(none).reject(new Error("ring: the peer no longer has it"));
+      const wanted = out.pending.get(hex);
+      if (!wanted) return void this.stats.rejected++; // unrequested, or bytes that are not what was asked for
+      if (bytes.length > wanted.bound) return wanted.reject(new Error("ring: a payload over its bound"));
+      wanted.resolve(bytes);
+    }
+
+    _drop(peer) {
+      const out = this.outgoing.get(peer);
+      this.outgoing.delete(peer);
+      if (!out) return;
+      out.link.close();
+      out.channel.close();
+      for (const wanted of out.pending.values()) wanted.reject(new Error("ring: the link closed"));
+    }
+
+    async _fromRelay({ digest: hex, url, workUnit, what, bound, alive }) {
+      this.stats.fetches++;
+      this.sendJson({ type: "fetch", work_unit: workUnit, what });
+      const deadline = performance.now() + RELAY_TIMEOUT_MS;
+      while (alive() && performance.now() < deadline) {
+        const response = await this.fetch(url).catch(() => null);
+        if (response && response.ok) {
+          const bytes = new Uint8Array(await response.arrayBuffer());
+          if (bytes.length > bound || (await digest(bytes)) !== hex) throw new Error("ring: the relayed payload is not the one named");
+          this.stats.pulledRelay += bytes.length;
+          return bytes;
+        }
+        await new Promise((resolve) => setTimeout(resolve, RELAY_POLL_MS));
+      }
+      throw new Error(alive() ? "ring: the payload did not come" : "ring: cancelled");
+    }
+
+    close() {
+      for (const peer of [...this.outgoing.keys()]) this._drop(peer);
+      for (const { link, channel } of this.incoming.splice(0)) { link.close(); channel.close(); }
+    }
+  }
+
+  ns.ring = { PeerLink, SocketSignals, PayloadRing, payloadBound, digest, CHUNK };
 })((self.crowdtrain = self.crowdtrain || {}));

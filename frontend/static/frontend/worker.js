@@ -1,6 +1,8 @@
 // Crowdtrain compute worker (classic Web Worker). The page talks to it with postMessage:
 //   page -> worker  {cmd: "init", backends?: [..preference order..]}
-//                   {cmd: "compute", assign: <work_unit of the protocol's `assign` message>}
+//                   {cmd: "compute", assign: <work_unit of the protocol's `assign` message>,
+//                    payloads?: {input?, output_grad?: ArrayBuffer} (a stage unit's inputs the page got from
+//                    the peer ring, already checked against their digests; the others are downloaded)}
 //                   {cmd: "cancel", work_unit}
 //                   {cmd: "duty", percent}   {cmd: "pause"}   {cmd: "resume"}
 // Computes run one at a time in arrival order, but each unit's blobs start downloading as soon as it
@@ -12,7 +14,9 @@
 //                   {type: "started", work_unit}
 //                   {type: "result", work_unit, model_version, samples, loss,
 //                    timings: {download_ms, compute_ms}, bytes: ArrayBuffer (transferred),
-//                    step: {start, end} (this worker's performance.now()), rest_ms (before the next unit)}
+//                    step: {start, end} (this worker's performance.now()), rest_ms (before the next unit),
+//                    sent?: {digest, bytes: ArrayBuffer} (a stage unit's payload for the next volunteer, sent
+//                    by the peer ring: `bytes` above then leaves it out, as docs/protocol.md says)}
 //                   {type: "rest", ms} (the duty cycle changed: the rest from now)
 //                   {type: "failed", work_unit, error}   {type: "cancelled", work_unit}
 //                   {type: "init_failed", error}
@@ -26,7 +30,7 @@ for (const script of ["tf-backend-wasm.min.js", "tf-backend-webgpu.min.js"]) {
   try { importScripts(VENDOR + script); } catch (err) { console.warn(`could not load ${script}`, err); }
 }
 importScripts(`${ENGINE}spec.js`, `${ENGINE}codecs.js`, `${ENGINE}graph.js`, `${ENGINE}runtime.js`, `${ENGINE}optim.js`,
-  `${ENGINE}train.js`);
+  `${ENGINE}train.js`, `${ENGINE}activations.js`, `${ENGINE}pipeline.js`);
 
 const ct = self.crowdtrain;
 const CACHE_BUDGET_BYTES = 768 * 1024 * 1024; // decoded graphs/weights/shards kept by URL
@@ -35,7 +39,7 @@ const CACHE_BUDGET_BYTES = 768 * 1024 * 1024; // decoded graphs/weights/shards k
 const WASM_UNTRAINABLE_OPS = ["conv2d", "max_pool2d", "avg_pool2d", "embedding"];
 
 let chosenBackend = null; // picked at init
-let current = null; // {graphUrl, weightsUrl, backend, model}
+let current = null; // {graphKey, weightsKey, backend, model}: stage units keep their stage's model too
 const cancelled = new Set();
 const cpuGraphs = new Set(); // graph URLs that hit a missing WASM kernel at run time
 let queue = Promise.resolve(); // computes run one after another
@@ -157,8 +161,11 @@ async function fetchBytes(url) {
   return response.arrayBuffer();
 }
 
+// A blob's URL without its grant: stage units' URLs carry one signed afresh for every unit.
+const keyOf = (url) => url.split("?")[0];
+
 function cached(url, decode) {
-  const key = url.split("?")[0];
+  const key = keyOf(url);
   let entry = cache.get(key);
   if (entry) {
     cache.delete(key);
@@ -198,7 +205,7 @@ function gather(shards, parts, key) {
 }
 
 async function backendFor(graph, graphUrl) {
-  const wasmCannot = ct.graph.hasOp(graph, WASM_UNTRAINABLE_OPS) || cpuGraphs.has(graphUrl);
+  const wasmCannot = ct.graph.hasOp(graph, WASM_UNTRAINABLE_OPS) || cpuGraphs.has(keyOf(graphUrl));
   const want = chosenBackend === "wasm" && wasmCannot ? "cpu" : chosenBackend;
   if (tf.getBackend() !== want) {
     if (current) { current.model.dispose(); current = null; } // variables live on the old backend
@@ -207,26 +214,38 @@ async function backendFor(graph, graphUrl) {
   return want;
 }
 
+// One model, kept while units name the same graph (a stage's graph for stage units), its weights set anew
+// when the version changes: a volunteer that stays on a stage downloads and uploads them once a version.
 async function modelFor(assign, graph, weights) {
   const backend = await backendFor(graph, assign.graph_url);
-  if (current && current.graphUrl === assign.graph_url && current.backend === backend) {
-    if (current.weightsUrl !== assign.weights_url) current.model.setWeights(weights);
+  const graphKey = keyOf(assign.graph_url), weightsKey = keyOf(assign.weights_url);
+  if (current && current.graphKey === graphKey && current.backend === backend) {
+    if (current.weightsKey !== weightsKey) current.model.setWeights(weights);
   } else {
     if (current) current.model.dispose();
-    current = { graphUrl: assign.graph_url, backend, model: ct.runtime.createModel(graph, weights) };
+    current = { graphKey, backend, model: ct.runtime.createModel(graph, weights) };
   }
-  current.weightsUrl = assign.weights_url;
+  current.weightsKey = weightsKey;
   return current.model;
 }
 
-async function download(assign) {
+// A stage unit's activation or gradient: from the page (the peer ring), else downloaded. Kept by content
+// address like every blob, so a backward unit finds its forward unit's input still here.
+function payload(url, given) {
+  if (given) return Promise.resolve(new Uint8Array(given));
+  return url ? cached(url, (buf) => new Uint8Array(buf)) : Promise.resolve(null);
+}
+
+async function download(assign, payloads = {}) {
   const t0 = performance.now();
-  const [graph, weights, ...shards] = await Promise.all([
+  const [graph, weights, input, outputGrad, ...shards] = await Promise.all([
     cached(assign.graph_url, (buf) => ct.graph.load(buf)),
     cached(assign.weights_url, (buf) => ct.codecs.decode(buf)),
+    payload(assign.input_url, payloads.input),
+    payload(assign.output_grad_url, payloads.output_grad),
     ...assign.shards.map((s) => cached(s.url, (buf) => ct.codecs.decode(buf))),
   ]);
-  return { graph, weights, shards, ms: performance.now() - t0 };
+  return { graph, weights, shards, input, outputGrad, ms: performance.now() - t0 };
 }
 
 // ---- tasks ---------------------------------------------------------------------------------------
@@ -261,7 +280,84 @@ const TASKS = {
   },
 };
 
+// ---- stage units (pipeline mode: docs/protocol.md "Stage units") ------------------------------------
+const LENGTH_BYTES = 8; // a backward frame starts with the input gradient's length, 8 bytes little-endian
+
+// Activations and gradients come from other volunteers: decoded against the shape the server states.
+function decodedTensor(bytes, shape, kind, codec) {
+  const d = ct.activations.decode(bytes, shape, { kind, codec });
+  return tf.tensor(d.data, d.shape, "float32");
+}
+
+function stageFeeds(model, assign, d) {
+  const st = assign.stage, graph = model.graph, count = assign.batch_size;
+  const { x, y } = sliceOf(assign, d);
+  const named = st.index === 0 ? { [graph.inputs[0].name]: x } : {};
+  if (st.last) named[graph.loss.inputs[1]] = y;
+  const feeds = ct.pipeline.feedsFor(graph, named);
+  if (st.index > 0) {
+    const shape = st.input_shape || [count, ...graph.inputs[0].shape.slice(1)];
+    feeds[graph.inputs[0].name] = decodedTensor(d.input, shape, "activation", assign.activation_codec);
+  }
+  const inputs = Object.fromEntries(graph.inputs.map((s) => [s.name, feeds[s.name]]));
+  const targets = st.last ? { [graph.loss.inputs[1]]: feeds[graph.loss.inputs[1]] } : null;
+  return { inputs, targets, all: Object.values(feeds) };
+}
+
+async function encodedActivation(t, kind, codec) {
+  return ct.activations.encode(await t.data(), t.shape, { codec, kind });
+}
+
+async function encodedGrads(grads) {
+  const named = {};
+  for (const [name, t] of Object.entries(grads)) named[name] = { shape: t.shape, data: await t.data() };
+  return Object.keys(named).length ? ct.codecs.encode(named, "fp32") : new Uint8Array(0);
+}
+
+function framed(inputGrad, grads) {
+  const out = new Uint8Array(LENGTH_BYTES + inputGrad.length + grads.length);
+  new DataView(out.buffer).setBigUint64(0, BigInt(inputGrad.length), true);
+  out.set(inputGrad, LENGTH_BYTES);
+  out.set(grads, LENGTH_BYTES + inputGrad.length);
+  return out;
+}
+
+// -> {bytes: the result's frame, loss, samples, sent: the payload for the next volunteer when the assign
+// lets it go by the peer ring (then left out of `bytes`)}.
+async function stageTask(model, assign, d) {
+  const st = assign.stage, codec = assign.activation_codec, byRing = !!(assign.ring && assign.ring.send);
+  const { inputs, targets, all } = stageFeeds(model, assign, d);
+  const one = model.graph.inputs.length === 1 ? inputs[model.graph.inputs[0].name] : inputs;
+  const made = [];
+  try {
+    if (st.kind === "forward") {
+      const r = ct.pipeline.stageForward(model, one, { seed: st.seed, training: true });
+      made.push(r.output, ...Object.values(r.buffers));
+      const out = await encodedActivation(r.output, "activation", codec);
+      return { bytes: byRing ? new Uint8Array(0) : out, sent: byRing ? out : null, loss: 0, samples: assign.batch_size };
+    }
+    let outputGrad;
+    if (!st.last) {
+      outputGrad = decodedTensor(d.outputGrad, st.output_shape, "gradient", codec);
+      made.push(outputGrad);
+    }
+    const r = ct.pipeline.stageBackward(model, one, {
+      outputGrad, targets, lossScale: st.loss_scale === null ? 1 : st.loss_scale, seed: st.seed, training: true,
+      inputGrad: st.needs_input_grad,
+    });
+    made.push(...Object.values(r.grads), r.inputGrad, r.loss);
+    const inputGrad = r.inputGrad ? await encodedActivation(r.inputGrad, "gradient", codec) : new Uint8Array(0);
+    const grads = await encodedGrads(r.grads);
+    const loss = r.loss ? (await r.loss.data())[0] : 0;
+    const sent = byRing && inputGrad.length ? inputGrad : null;
+    return { bytes: framed(sent ? new Uint8Array(0) : inputGrad, grads), sent, loss, samples: assign.batch_size };
+  } finally {
+    tf.dispose([...all, ...made].filter(Boolean));
+  }
+}
+
 async function runTask(assign, d) {
+  if (assign.stage) return stageTask(await modelFor(assign, d.graph, d.weights), assign, d);
   const task = TASKS[assign.task || "gradient"];
   if (!task) throw new Error(`unknown task ${assign.task}`);
   const model = await modelFor(assign, d.graph, d.weights);
@@ -275,8 +371,8 @@ async function runTaskWithFallback(assign, d) {
     return await runTask(assign, d);
   } catch (err) {
     const missingKernel = /not registered for backend 'wasm'/.test(String(err && err.message));
-    if (!missingKernel || cpuGraphs.has(assign.graph_url)) throw err;
-    cpuGraphs.add(assign.graph_url);
+    if (!missingKernel || cpuGraphs.has(keyOf(assign.graph_url))) throw err;
+    cpuGraphs.add(keyOf(assign.graph_url));
     return runTask(assign, d);
   }
 }
@@ -289,12 +385,16 @@ async function compute(assign, downloading) {
   pacing.lastCompute = end - t0;
   pacing.lastEnd = end;
   pacing.restUntil = end + restFor(pacing.lastCompute);
-  const bytes = r.bytes.buffer.byteLength === r.bytes.byteLength ? r.bytes.buffer : r.bytes.slice().buffer;
   return {
     type: "result", work_unit: assign.id, model_version: assign.model_version, samples: r.samples, loss: r.loss,
-    timings: { download_ms: Math.round(d.ms), compute_ms: Math.round(end - t0) }, bytes,
+    timings: { download_ms: Math.round(d.ms), compute_ms: Math.round(end - t0) }, bytes: ownBuffer(r.bytes),
     step: { start: t0, end }, rest_ms: restFor(pacing.lastCompute),
+    sent: r.sent ? { digest: await ct.activations.digest(r.sent), bytes: ownBuffer(r.sent) } : undefined,
   };
+}
+
+function ownBuffer(bytes) {
+  return bytes.buffer.byteLength === bytes.byteLength ? bytes.buffer : bytes.slice().buffer;
 }
 
 async function runCompute(assign, downloading) {
@@ -303,7 +403,7 @@ async function runCompute(assign, downloading) {
   self.postMessage({ type: "started", work_unit: assign.id });
   try {
     const result = await compute(assign, downloading);
-    self.postMessage(result, [result.bytes]);
+    self.postMessage(result, result.sent ? [result.bytes, result.sent.bytes] : [result.bytes]);
   } catch (err) {
     self.postMessage({ type: "failed", work_unit: assign.id, error: String((err && err.message) || err) });
   } finally {
@@ -325,7 +425,7 @@ self.onmessage = (event) => {
     });
   } else if (msg.cmd === "compute") {
     // Start downloading now, while an earlier unit may still be computing (prefetch).
-    const downloading = download(msg.assign);
+    const downloading = download(msg.assign, msg.payloads);
     downloading.catch(() => {}); // reported by runCompute when its turn comes
     queue = queue.then(() => runCompute(msg.assign, downloading));
   } else if (msg.cmd === "cancel") {

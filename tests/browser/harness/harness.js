@@ -146,10 +146,14 @@
         const msg = e.data;
         if (msg.type === "started") return; // progress only: the page uses it for its duty-cycle clock
         if (msg.bytes) msg.bytes = toB64(new Uint8Array(msg.bytes));
+        if (msg.sent) msg.sent.bytes = toB64(new Uint8Array(msg.sent.bytes));
         log.push(msg);
         if (msg.type === "init_failed") return finish(new Error(msg.error));
         if (next === assigns.length) return finish();
-        worker.postMessage({ cmd: "compute", assign: assigns[next++] });
+        // A stage unit's payloads from the peer ring (base64 here) go along with it, as the page sends them.
+        const { payloads, ...assign } = assigns[next++];
+        const given = Object.fromEntries(Object.entries(payloads || {}).map(([k, v]) => [k, fromB64(v).buffer]));
+        worker.postMessage({ cmd: "compute", assign, payloads: given });
       };
       worker.postMessage({ cmd: "init", backends });
     });
