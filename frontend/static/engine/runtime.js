@@ -489,8 +489,26 @@
     }
   }
 
-  // weights: decoded safetensors {name: {shape, data}} (codecs.decode).
+  // ---- packed textures (WebGL) ---------------------------------------------------------------------
+  // TF.js 4.22's WebGL backend stores values as "packed" 2x2 texels, an odd-sized axis ending in padding
+  // lanes. Its packed matmul (also behind 1x1 and im2col convs) sums a texel's padding lanes too, assuming
+  // they are 0; its packed elementwise ops do not keep them 0 (sigmoid writes 0.5, exp 1, a broadcast
+  // subtraction -m). Once an SGD step carries such lanes into the weights, a matmul over an odd dimension
+  // is off by their products: torch parity broke from the second local step (tests/browser/
+  // test_local_steps.py, hand:odd: 0.8%). Unpacked elementwise kernels have no padding lanes to spoil; the
+  // remaining packed kernels (matmul, conv, slice, transpose, pack) write zeros there. They also save the
+  // pack/unpack/reshape kernels around each reduction, and upload no scalar (an unpacked kernel takes it as
+  // a uniform): fewer kernels per step (benchmarks/engine).
+  const SAFE_WEBGL_FLAGS = { WEBGL_PACK_BINARY_OPERATIONS: false, WEBGL_PACK_UNARY_OPERATIONS: false };
+
+  function guardPackedTextures() {
+    if (tf.getBackend() !== "webgl") return;
+    for (const [flag, value] of Object.entries(SAFE_WEBGL_FLAGS)) tf.env().set(flag, value);
+  }
+
+  // weights: decoded safetensors {name: {shape, data}} (codecs.decode). Set the backend first.
   function createModel(graph, weights) {
+    guardPackedTextures();
     const params = makeVariables(graph.params, weights, "param", true);
     const buffers = makeVariables(graph.buffers || [], weights, "buffer", false);
     return {
