@@ -17,8 +17,16 @@
     return Array.isArray(v) ? (v.length === 1 ? [v[0], v[0]] : v.slice(0, 2)) : [v, v];
   }
 
-  const toNHWC = (x) => tf.transpose(x, [0, 2, 3, 1]);
-  const toNCHW = (x) => tf.transpose(x, [0, 3, 1, 2]);
+  // A permutation that moves only axes of size 1 leaves the data in order: a reshape, no transpose kernel
+  // (a one-channel image going NHWC, a pooled [N, 1, 1, C] going NCHW).
+  function permute(x, perm) {
+    const kept = perm.filter((d) => x.shape[d] !== 1);
+    if (kept.every((d, i) => i === 0 || d > kept[i - 1])) return x.reshape(perm.map((d) => x.shape[d]));
+    return tf.transpose(x, perm);
+  }
+
+  const toNHWC = (x) => permute(x, [0, 2, 3, 1]);
+  const toNCHW = (x) => permute(x, [0, 3, 1, 2]);
 
   // ---- convolution and pooling ------------------------------------------------------------------
   // TF.js has no gradient for dilated conv2d, so dilate the kernel itself (zeros between taps);
@@ -228,7 +236,7 @@
     const perm = x.shape.map((_, i) => i);
     const d0 = axis(a.dim0, x.rank), d1 = axis(a.dim1, x.rank);
     [perm[d0], perm[d1]] = [perm[d1], perm[d0]];
-    return tf.transpose(x, perm);
+    return permute(x, perm);
   }
 
   function split([x], a) {
@@ -379,7 +387,7 @@
     adaptive_avg_pool2d: adaptiveAvgPool2d,
     flatten,
     reshape: ([x], a) => x.reshape(a.shape),
-    permute: ([x], a) => tf.transpose(x, a.dims.map((d) => axis(d, x.rank))),
+    permute: ([x], a) => permute(x, a.dims.map((d) => axis(d, x.rank))),
     transpose,
     add: ([p, q]) => tf.add(p, q),
     sub: ([p, q]) => tf.sub(p, q),
@@ -439,14 +447,28 @@
     return { q: tf.mul(q, scored.toFloat()), total: tf.where(scored, total, tf.onesLike(total)) };
   }
 
-  // Only the log-softmax and the weighted sum are differentiated: q and total come from the targets and class
-  // weights, off the path from any param, so backprop skips them (fewer shader dispatches; benchmarks/engine).
-  // Not a tf.customGrad (nor tf.logSoftmax, which is one): on WebGL, with one, train.js localSteps drifted
-  // 0.8% from torch over three momentum steps (tests/browser/test_local_steps.py, hand:cnn), single steps exact.
+  // -sum(q * log_softmax(z)) / total as one op whose gradient is written out: torch's log_softmax backward
+  // fed with nll's -q * dy / total, i.e. dz = (softmax(z) * sum(q, 1) - q) * dy / total. Autodiff of the
+  // composite would run about three times the kernels (the max, the broadcasts and every sum have gradients,
+  // and the targets' side is differentiated too), the larger part of a small model's step (benchmarks/engine).
+  // q and total go through save(): f's own tensors are gone by the time the gradient runs. (A custom
+  // gradient once broke parity on WebGL; the cause was packed textures, see guardPackedTextures.)
+  function weightedNll(z, q, total) {
+    return tf.customGrad((logits, save) => {
+      const shifted = tf.sub(logits, tf.max(logits, 1, true));
+      const logProbs = tf.sub(shifted, tf.log(tf.sum(tf.exp(shifted), 1, true))); // torch's order of operations
+      save([logProbs, q, total]);
+      const value = tf.div(tf.sum(tf.mul(logProbs, q)), tf.neg(total));
+      const gradFunc = (dy, [lp, weights, count]) =>
+        tf.mul(tf.sub(tf.mul(tf.exp(lp), tf.sum(weights, 1, true)), weights), tf.div(dy, count));
+      return { value, gradFunc };
+    })(z);
+  }
+
   function crossEntropy([logits, target, weight], a) {
     const c = logits.shape[logits.rank - 1];
     const { q, total } = targetWeights(target, weight, c, a);
-    return tf.neg(tf.div(tf.sum(tf.mul(logSoftmax(logits.reshape([-1, c]), 1), q)), total));
+    return weightedNll(logits.reshape([-1, c]), q, total);
   }
 
   // torch's l1 gradient is sign(d), 0 at d = 0; tf.abs's is -1 there, so |d| is written d * sign(d).
@@ -551,8 +573,6 @@
     return null;
   }
 
-  // NHWC -> NCHW; a [N, 1, 1, C] tensor (global pooling) is already in NCHW order.
-  const fromNHWC = (t) => (t.shape[1] === 1 && t.shape[2] === 1 ? t.reshape([t.shape[0], t.shape[3], 1, 1]) : toNCHW(t));
 
   // feeds: {name: tf.Tensor} for graph inputs and (optionally) targets. Returns {output, loss, updates}
   // where updates are new buffer values the caller applies (see applyUpdates) once gradients are done.
@@ -562,7 +582,7 @@
     const env = new Map([...Object.entries(model.params), ...Object.entries(model.buffers), ...Object.entries(feeds)]);
     const nhwc = new Map(); // name -> the same value, channels last
     const get = (name) => {
-      if (!env.has(name) && nhwc.has(name)) env.set(name, fromNHWC(nhwc.get(name)));
+      if (!env.has(name) && nhwc.has(name)) env.set(name, toNCHW(nhwc.get(name)));
       return env.get(name);
     };
     const getNHWC = (name) => {
@@ -670,5 +690,5 @@
     return { value, grads: named, inputGrads };
   }
 
-  ns.runtime = { createModel, forward, gradients, backpropagate, OPS, LOSSES };
+  ns.runtime = { createModel, forward, gradients, backpropagate, OPS, LOSSES, SAFE_WEBGL_FLAGS };
 })((self.crowdtrain = self.crowdtrain || {}));
