@@ -528,6 +528,22 @@
     for (const [flag, value] of Object.entries(SAFE_WEBGL_FLAGS)) tf.env().set(flag, value);
   }
 
+  // f() with WebGL's packed elementwise kernels, for work that cannot spoil a padding lane: inputs with clean
+  // lanes (what matmuls, convolutions, sums and uploads leave) and no broadcast but of scalars, f(0, 0) = 0.
+  // optim.js updates weights so: a weight then stays in the packed layout its matmul reads, instead of
+  // being unpacked for the update and packed again for the next forward, whole, every step.
+  function withPackedElementwise(f) {
+    const flags = Object.keys(SAFE_WEBGL_FLAGS);
+    const saved = flags.map((flag) => tf.env().getBool(flag));
+    if (tf.getBackend() !== "webgl" || saved.every(Boolean)) return f();
+    flags.forEach((flag) => tf.env().set(flag, true));
+    try {
+      return f();
+    } finally {
+      flags.forEach((flag, i) => tf.env().set(flag, saved[i]));
+    }
+  }
+
   // weights: decoded safetensors {name: {shape, data}} (codecs.decode). Set the backend first.
   function createModel(graph, weights) {
     guardPackedTextures();
@@ -690,5 +706,7 @@
     return { value, grads: named, inputGrads };
   }
 
-  ns.runtime = { createModel, forward, gradients, backpropagate, OPS, LOSSES, SAFE_WEBGL_FLAGS };
+  ns.runtime = {
+    createModel, forward, gradients, backpropagate, withPackedElementwise, OPS, LOSSES, SAFE_WEBGL_FLAGS,
+  };
 })((self.crowdtrain = self.crowdtrain || {}));
