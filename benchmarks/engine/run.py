@@ -359,7 +359,7 @@ def _camel(budget: Budget) -> dict[str, int]:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     plans, budget = plans_for([m for m in args.models.split(",") if m]), budget_for(args)
-    started = time.monotonic()
+    started, load_at_start = time.monotonic(), os.getloadavg()
     rows = run_browser(args, plans, budget)
     torch_rows = {}
     for m, plan in plans.items():
@@ -367,7 +367,13 @@ def main(argv: list[str] | None = None) -> None:
         torch_rows[m] = {"model": m, "batch": plan.batch, "ms": ms, "sps": plan.batch * 1000 / ms}
         print(f"  torch  {m:15} {ms:8.1f} ms/step", file=sys.stderr)
     print(table(rows, torch_rows))
-    machine = {"cpus": os.cpu_count() or 0, "python": platform.python_version(), "torch": torch.__version__}
+    machine = {
+        "cpus": os.cpu_count() or 0,
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        # A shared machine's 1-minute load at the start and the end: the times are only as quiet as this.
+        "load_average": [round(load_at_start[0], 1), round(os.getloadavg()[0], 1)],
+    }
     report = {
         "goal_ratio": GOAL,
         "quick": args.quick,

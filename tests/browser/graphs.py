@@ -103,7 +103,12 @@ def odd() -> Graph:
         "odd-hand",
         [spec("x", [-1, 6])],
         [spec("y", [-1], "int64")],
-        [spec("fc1.weight", [5, 6]), spec("fc1.bias", [5]), spec("fc2.weight", [3, 5]), spec("fc2.bias", [3])],
+        [
+            spec("fc1.weight", [5, 6]),
+            spec("fc1.bias", [5]),
+            spec("fc2.weight", [3, 5]),
+            spec("fc2.bias", [3]),
+        ],
         [],
         [
             node("fc1", "linear", ["x", "fc1.weight", "fc1.bias"]),

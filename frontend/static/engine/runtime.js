@@ -589,7 +589,6 @@
     return null;
   }
 
-
   // feeds: {name: tf.Tensor} for graph inputs and (optionally) targets. Returns {output, loss, updates}
   // where updates are new buffer values the caller applies (see applyUpdates) once gradients are done.
   // seed (optional): dropout masks drawn from it, so that a pipeline stage's backward unit recomputes
