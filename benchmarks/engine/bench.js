@@ -55,6 +55,45 @@
     return (performance.now() - t0) / steps;
   }
 
+  // What one step runs, counted rather than timed, so machine load does not move it: TF.js kernels (Reshape
+  // and Identity included, which cost no GPU work) and, on WebGL and WebGPU, the shader programs the backend
+  // dispatches (layout conversions and uploads included; on SwiftShader each costs about the same fixed time).
+  async function kernelsPerStep(step) {
+    const engine = tf.engine(), backend = tf.backend();
+    const dispatch = ["runWebGLProgram", "runWebGPUProgram"].find((m) => typeof backend[m] === "function");
+    const counts = { kernels: 0, programs: dispatch ? 0 : null };
+    const counted = (obj, method, key) => {
+      const original = obj[method];
+      obj[method] = function (...args) { counts[key]++; return original.apply(this, args); };
+      return () => { obj[method] = original; };
+    };
+    const restore = [counted(engine, "runKernel", "kernels"), ...(dispatch ? [counted(backend, dispatch, "programs")] : [])];
+    try {
+      const loss = step();
+      await loss.data();
+      loss.dispose();
+    } finally {
+      restore.forEach((undo) => undo());
+    }
+    return counts;
+  }
+
+  // The engine runs WebGL's elementwise kernels unpacked (runtime.js, guardPackedTextures), a page-wide
+  // setting that changes the hand-written model's speed too. It is also timed with TF.js's defaults, and
+  // the faster of the two is the yardstick (run.py): its widths are even, which the packed kernels get right.
+  function withTfjsDefaults(step) {
+    const flags = Object.keys(ct.runtime.SAFE_WEBGL_FLAGS);
+    return (...args) => {
+      const saved = flags.map((f) => tf.env().getBool(f));
+      flags.forEach((f) => tf.env().set(f, tf.env().getBool("WEBGL_PACK")));
+      try {
+        return step(...args);
+      } finally {
+        flags.forEach((f, i) => tf.env().set(f, saved[i]));
+      }
+    };
+  }
+
   // Same weights, eval mode: the two implementations must compute the same logits.
   async function logitsDiff(model, hand, inputs) {
     const a = ct.runtime.forward(model, { x: inputs.xGraph }, { training: false });
@@ -102,6 +141,19 @@
     return { ...times, steps, reps };
   }
 
+  // The hand-written twins to time, each its own model (same weights), so that each keeps its own texture
+  // layouts from step to step: under the engine's flags, and on WebGL also under TF.js's defaults.
+  function handTwins(config, backend, weights, inputs) {
+    if (!config.handwritten) return [];
+    const names = backend === "webgl" ? ["handwritten", "handwritten_tfjs_defaults"] : ["handwritten"];
+    return names.map((name) => {
+      const model = self.handwritten.models[config.model](weights);
+      const trainer = self.handwritten.trainer(model, LR);
+      const step = () => trainer.step(inputs.xHand, inputs.oneHot);
+      return { name, model, trainer, step: name === "handwritten" ? step : withTfjsDefaults(step) };
+    });
+  }
+
   // config: {backend, model, graphUrl, weightsUrl, batchUrl, classes, handwritten, warmup, budgetMs, minReps,
   // maxReps}.
   // Without a hand-written twin (config.handwritten false) only the interpreter is timed.
@@ -112,18 +164,20 @@
     const batch = ct.codecs.decode(await fetchBytes(config.batchUrl));
     const tensorsBefore = tf.memory().numTensors;
     const model = ct.runtime.createModel(graph, weights);
-    const hand = config.handwritten ? self.handwritten.models[config.model](weights) : null;
     const inputs = inputsFor(graph, batch, config.classes);
     const interp = interpreterTrainer(model, { x: inputs.xGraph, y: inputs.yGraph });
-    const handTrainer = hand ? self.handwritten.trainer(hand, LR) : null;
+    const twins = handTwins(config, backend, weights, inputs);
     try {
-      const relDiff = hand ? await logitsDiff(model, hand, inputs) : null;
+      const relDiff = twins.length ? await logitsDiff(model, twins[0].model, inputs) : null;
       const trainers = { interpreter: interp.step };
-      if (hand) trainers.handwritten = () => handTrainer.step(inputs.xHand, inputs.oneHot);
-      return { backend, relDiff, ...(await measure(trainers, config)) };
+      for (const twin of twins) trainers[twin.name] = twin.step;
+      const times = await measure(trainers, config);
+      const kernels = {};
+      for (const [name, step] of Object.entries(trainers)) kernels[name] = await kernelsPerStep(step);
+      return { backend, relDiff, ...times, kernels };
     } finally {
       interp.dispose();
-      if (hand) { handTrainer.dispose(); self.handwritten.dispose(hand); }
+      for (const twin of twins) { twin.trainer.dispose(); self.handwritten.dispose(twin.model); }
       model.dispose();
       tf.dispose(Object.values(inputs));
       if (tf.memory().numTensors !== tensorsBefore) console.warn("benchmark leaked tensors");

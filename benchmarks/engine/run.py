@@ -11,7 +11,11 @@ so machine noise hits both; each repetition of A and the one of B next to it for
 reported is the median over pairs of hand-written ms / interpreter ms (robust to load drifting during a
 run on a shared machine). The goal is ratio >= 0.95. Models are the presets and some of
 tests/engine/corpus.py; corpus models without a hand-written twin are timed for the interpreter alone
-(no ratio). Writes benchmarks/results/engine.json.
+(no ratio). On WebGL the hand-written model is timed twice, under the engine's page-wide setting (unpacked
+elementwise kernels, frontend/static/engine/runtime.js guardPackedTextures) and under TF.js's defaults, and
+the faster is the yardstick. Each row also counts what one step runs (TF.js kernels; on WebGL and WebGPU the
+shader programs dispatched, conversions included), which machine load does not move. Writes
+benchmarks/results/engine.json.
 """
 
 from __future__ import annotations
@@ -81,6 +85,8 @@ HANDWRITTEN = {
     "timeseries_cnn",
     "nanogpt",
 }  # models benchmarks/engine/handwritten.js has
+# The hand-written model's timings in bench.js: under the engine's WebGL flags, and (WebGL) under TF.js's own.
+HAND_CONFIGS = {"handwritten": "engine flags", "handwritten_tfjs_defaults": "tfjs defaults"}
 
 
 @dataclass(frozen=True)
@@ -249,21 +255,28 @@ def summarize(r: dict[str, Any], batch: int) -> dict[str, Any]:
         "reps": r["reps"],
         "raw_ms": {"interpreter": r["interpreter"]},
     }
-    if "handwritten" in r and isinstance(r["handwritten"], list):
-        hand = statistics.median(r["handwritten"])
-        pairs = [h / i for h, i in zip(r["handwritten"], r["interpreter"], strict=True)]
+    row["kernels_per_step"] = r.get("kernels")
+    twins = [t for t in HAND_CONFIGS if isinstance(r.get(t), list)]
+    if twins:
+        # The yardstick is the faster configuration of the hand-written model (bench.js withTfjsDefaults).
+        yardstick = min(twins, key=lambda t: statistics.median(r[t]))
+        hand_times = r[yardstick]
+        hand = statistics.median(hand_times)
+        pairs = [h / i for h, i in zip(hand_times, r["interpreter"], strict=True)]
         row.update(handwritten_ms=hand, handwritten_sps=batch * 1000 / hand, ratio=statistics.median(pairs))
+        row["handwritten_config"] = HAND_CONFIGS[yardstick]
+        row["handwritten_ms_by_config"] = {HAND_CONFIGS[t]: statistics.median(r[t]) for t in twins}
         # The fastest repetitions are the least disturbed ones: on a busy machine their ratio is a check.
-        best = min(r["handwritten"]) / min(r["interpreter"])
+        best = min(hand_times) / min(r["interpreter"])
         row.update(ratio_of_medians=hand / interp, ratio_of_best=best, ratio_range=[min(pairs), max(pairs)])
-        row["raw_ms"]["handwritten"] = r["handwritten"]
+        row["raw_ms"].update({t: r[t] for t in twins})
     return row
 
 
 def table(rows: list[dict[str, Any]], torch_rows: dict[str, dict[str, Any]]) -> str:
     head = (
         f"{'backend':8}{'model':16}{'batch':>6}{'interp s/s':>12}{'hand s/s':>11}{'ratio':>8}"
-        f"{'pair range':>12}{'best':>8}{'torch-cpu s/s':>15}"
+        f"{'pair range':>12}{'best':>8}{'torch-cpu s/s':>15}{'programs i/h':>14}"
     )
     lines = [head, "-" * len(head)]
     for r in rows:
@@ -275,9 +288,20 @@ def table(rows: list[dict[str, Any]], torch_rows: dict[str, dict[str, Any]]) -> 
             mark = "" if r["ratio"] >= GOAL else "  < goal"
         lines.append(
             f"{r['backend']:8}{r['model']:16}{r['batch']:>6}{_sig(r['interpreter_sps']):>12}{hand:>11}{ratio:>8}"
-            f"{spread:>12}{best:>8}{_sig(torch_rows[r['model']]['sps']):>15}{mark}"
+            f"{spread:>12}{best:>8}{_sig(torch_rows[r['model']]['sps']):>15}{_programs(r):>14}{mark}"
         )
     return "\n".join(lines)
+
+
+def _programs(row: dict[str, Any]) -> str:
+    """Shader programs per step, interpreter / hand-written yardstick (GPU backends; "-" elsewhere)."""
+    counts = row.get("kernels_per_step") or {}
+    interp = (counts.get("interpreter") or {}).get("programs")
+    if interp is None:
+        return "-"
+    twin = {v: k for k, v in HAND_CONFIGS.items()}.get(row.get("handwritten_config") or "")
+    hand = (counts.get(twin) or {}).get("programs") if twin else None
+    return f"{interp}/{hand}" if hand is not None else str(interp)
 
 
 def _sig(value: float) -> str:
@@ -335,7 +359,7 @@ def _camel(budget: Budget) -> dict[str, int]:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     plans, budget = plans_for([m for m in args.models.split(",") if m]), budget_for(args)
-    started = time.monotonic()
+    started, load_at_start = time.monotonic(), os.getloadavg()
     rows = run_browser(args, plans, budget)
     torch_rows = {}
     for m, plan in plans.items():
@@ -343,7 +367,13 @@ def main(argv: list[str] | None = None) -> None:
         torch_rows[m] = {"model": m, "batch": plan.batch, "ms": ms, "sps": plan.batch * 1000 / ms}
         print(f"  torch  {m:15} {ms:8.1f} ms/step", file=sys.stderr)
     print(table(rows, torch_rows))
-    machine = {"cpus": os.cpu_count() or 0, "python": platform.python_version(), "torch": torch.__version__}
+    machine = {
+        "cpus": os.cpu_count() or 0,
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        # A shared machine's 1-minute load at the start and the end: the times are only as quiet as this.
+        "load_average": [round(load_at_start[0], 1), round(os.getloadavg()[0], 1)],
+    }
     report = {
         "goal_ratio": GOAL,
         "quick": args.quick,

@@ -94,6 +94,32 @@ def mlp() -> Graph:
     )
 
 
+def odd() -> Graph:
+    """Odd widths after ops whose f(0) is not 0 (sigmoid, a broadcast subtraction): TF.js 4.22's packed WebGL
+    kernels compute those ops on the padding lanes of packed textures too, and its packed matmul sums the
+    padding lanes when the shared dimension is odd. Single steps start from clean weights and are right;
+    from the second local step on, the weights carry those lanes (runtime.js "packed textures")."""
+    return graph(
+        "odd-hand",
+        [spec("x", [-1, 6])],
+        [spec("y", [-1], "int64")],
+        [
+            spec("fc1.weight", [5, 6]),
+            spec("fc1.bias", [5]),
+            spec("fc2.weight", [3, 5]),
+            spec("fc2.bias", [3]),
+        ],
+        [],
+        [
+            node("fc1", "linear", ["x", "fc1.weight", "fc1.bias"]),
+            node("s", "sigmoid", ["fc1"]),
+            node("fc2", "linear", ["s", "fc2.weight", "fc2.bias"]),
+        ],
+        "fc2",
+        "cross_entropy",
+    )
+
+
 def _bn(prefix: str, c: int) -> tuple[list, list]:
     return (
         [spec(f"{prefix}.weight", [c]), spec(f"{prefix}.bias", [c])],

@@ -26,6 +26,9 @@ def case(name: str) -> tuple[graphs.Graph, graphs.Tensors]:
     if name == "hand:cnn":  # batch norm: buffers travel with the delta
         g = graphs.cnn()
         return g, graphs.init_weights(g, 5)
+    if name == "hand:odd":  # odd widths: WebGL's packed textures (graphs.odd)
+        g = graphs.odd()
+        return g, graphs.init_weights(g, 5)
     return preset(name)  # dropout off: its masks are random on both sides
 
 
@@ -49,7 +52,7 @@ def delta_errors(got: graphs.Tensors, want: graphs.Tensors, exact: graphs.Tensor
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("name", ["mlp", "cnn", "hand:cnn"])
+@pytest.mark.parametrize("name", ["mlp", "cnn", "hand:cnn", "hand:odd"])
 def test_local_steps_match_torch(harness: Any, backend: str, name: str) -> None:
     g, weights = case(name)
     batch = graphs.batch_for(g, SAMPLES, seed=9)

@@ -18,26 +18,47 @@
       this.params = params;
       this.opts = { lr, momentum, dampening, weight_decay, nesterov };
       this.state = {};
+      // The settings as kept tensors, made once (so the tensor count is flat from the first step): a number
+      // would be a new upload on every step.
+      this.scalars = {};
+      for (const value of [lr, momentum, 1 - dampening, weight_decay]) {
+        if (!this.scalars[value]) this.scalars[value] = tf.keep(tf.scalar(value));
+      }
     }
 
+    scalar(value) { return this.scalars[value]; }
+
+    // Matrices and kernels update with packed WebGL kernels (runtime.js withPackedElementwise), where their
+    // matmuls read them; vectors are read by unpacked elementwise kernels.
     step(grads) {
-      const { lr, momentum, dampening, weight_decay, nesterov } = this.opts;
       tf.tidy(() => {
         for (const [name, p] of Object.entries(this.params)) {
-          let g = grads[name];
-          if (weight_decay) g = tf.add(g, tf.mul(p, weight_decay));
-          if (momentum) {
-            const buf = this.state[name];
-            const next = buf ? tf.add(tf.mul(buf, momentum), tf.mul(g, 1 - dampening)) : tf.clone(g);
-            replace(this.state, name, next);
-            g = nesterov ? tf.add(g, tf.mul(next, momentum)) : next;
-          }
-          p.assign(tf.sub(p, tf.mul(g, lr)));
+          const update = () => this.update(name, p, grads[name]);
+          if (p.rank >= 2 && ns.runtime) ns.runtime.withPackedElementwise(update);
+          else update();
         }
       });
     }
 
-    dispose() { Object.values(this.state).forEach((t) => t.dispose()); this.state = {}; }
+    update(name, p, grad) {
+      const { lr, momentum, dampening, weight_decay, nesterov } = this.opts;
+      let g = grad;
+      if (weight_decay) g = tf.add(g, tf.mul(p, this.scalar(weight_decay)));
+      if (momentum) {
+        const buf = this.state[name];
+        const fresh = dampening ? tf.mul(g, this.scalar(1 - dampening)) : g; // times 1 changes nothing
+        const next = buf ? tf.add(tf.mul(buf, this.scalar(momentum)), fresh) : tf.clone(g);
+        replace(this.state, name, next);
+        g = nesterov ? tf.add(g, tf.mul(next, this.scalar(momentum))) : next;
+      }
+      p.assign(tf.sub(p, tf.mul(g, this.scalar(lr))));
+    }
+
+    dispose() {
+      [...Object.values(this.state), ...Object.values(this.scalars)].forEach((t) => t.dispose());
+      this.state = {};
+      this.scalars = {};
+    }
   }
 
   ns.optim = { SGD };

@@ -17,8 +17,16 @@
     return Array.isArray(v) ? (v.length === 1 ? [v[0], v[0]] : v.slice(0, 2)) : [v, v];
   }
 
-  const toNHWC = (x) => tf.transpose(x, [0, 2, 3, 1]);
-  const toNCHW = (x) => tf.transpose(x, [0, 3, 1, 2]);
+  // A permutation that moves only axes of size 1 leaves the data in order: a reshape, no transpose kernel
+  // (a one-channel image going NHWC, a pooled [N, 1, 1, C] going NCHW).
+  function permute(x, perm) {
+    const kept = perm.filter((d) => x.shape[d] !== 1);
+    if (kept.every((d, i) => i === 0 || d > kept[i - 1])) return x.reshape(perm.map((d) => x.shape[d]));
+    return tf.transpose(x, perm);
+  }
+
+  const toNHWC = (x) => permute(x, [0, 2, 3, 1]);
+  const toNCHW = (x) => permute(x, [0, 3, 1, 2]);
 
   // ---- convolution and pooling ------------------------------------------------------------------
   // TF.js has no gradient for dilated conv2d, so dilate the kernel itself (zeros between taps);
@@ -228,7 +236,7 @@
     const perm = x.shape.map((_, i) => i);
     const d0 = axis(a.dim0, x.rank), d1 = axis(a.dim1, x.rank);
     [perm[d0], perm[d1]] = [perm[d1], perm[d0]];
-    return tf.transpose(x, perm);
+    return permute(x, perm);
   }
 
   function split([x], a) {
@@ -379,7 +387,7 @@
     adaptive_avg_pool2d: adaptiveAvgPool2d,
     flatten,
     reshape: ([x], a) => x.reshape(a.shape),
-    permute: ([x], a) => tf.transpose(x, a.dims.map((d) => axis(d, x.rank))),
+    permute: ([x], a) => permute(x, a.dims.map((d) => axis(d, x.rank))),
     transpose,
     add: ([p, q]) => tf.add(p, q),
     sub: ([p, q]) => tf.sub(p, q),
@@ -439,14 +447,28 @@
     return { q: tf.mul(q, scored.toFloat()), total: tf.where(scored, total, tf.onesLike(total)) };
   }
 
-  // Only the log-softmax and the weighted sum are differentiated: q and total come from the targets and class
-  // weights, off the path from any param, so backprop skips them (fewer shader dispatches; benchmarks/engine).
-  // Not a tf.customGrad (nor tf.logSoftmax, which is one): on WebGL, with one, train.js localSteps drifted
-  // 0.8% from torch over three momentum steps (tests/browser/test_local_steps.py, hand:cnn), single steps exact.
+  // -sum(q * log_softmax(z)) / total as one op whose gradient is written out: torch's log_softmax backward
+  // fed with nll's -q * dy / total, i.e. dz = (softmax(z) * sum(q, 1) - q) * dy / total. Autodiff of the
+  // composite would run about three times the kernels (the max, the broadcasts and every sum have gradients,
+  // and the targets' side is differentiated too), the larger part of a small model's step (benchmarks/engine).
+  // q and total go through save(): f's own tensors are gone by the time the gradient runs. (A custom
+  // gradient once broke parity on WebGL; the cause was packed textures, see guardPackedTextures.)
+  function weightedNll(z, q, total) {
+    return tf.customGrad((logits, save) => {
+      const shifted = tf.sub(logits, tf.max(logits, 1, true));
+      const logProbs = tf.sub(shifted, tf.log(tf.sum(tf.exp(shifted), 1, true))); // torch's order of operations
+      save([logProbs, q, total]);
+      const value = tf.div(tf.sum(tf.mul(logProbs, q)), tf.neg(total));
+      const gradFunc = (dy, [lp, weights, count]) =>
+        tf.mul(tf.sub(tf.mul(tf.exp(lp), tf.sum(weights, 1, true)), weights), tf.div(dy, count));
+      return { value, gradFunc };
+    })(z);
+  }
+
   function crossEntropy([logits, target, weight], a) {
     const c = logits.shape[logits.rank - 1];
     const { q, total } = targetWeights(target, weight, c, a);
-    return tf.neg(tf.div(tf.sum(tf.mul(logSoftmax(logits.reshape([-1, c]), 1), q)), total));
+    return weightedNll(logits.reshape([-1, c]), q, total);
   }
 
   // torch's l1 gradient is sign(d), 0 at d = 0; tf.abs's is -1 there, so |d| is written d * sign(d).
@@ -489,8 +511,42 @@
     }
   }
 
-  // weights: decoded safetensors {name: {shape, data}} (codecs.decode).
+  // ---- packed textures (WebGL) ---------------------------------------------------------------------
+  // TF.js 4.22's WebGL backend stores values as "packed" 2x2 texels, an odd-sized axis ending in padding
+  // lanes. Its packed matmul (also behind 1x1 and im2col convs) sums a texel's padding lanes too, assuming
+  // they are 0; its packed elementwise ops do not keep them 0 (sigmoid writes 0.5, exp 1, a broadcast
+  // subtraction -m). Once an SGD step carries such lanes into the weights, a matmul over an odd dimension
+  // is off by their products: torch parity broke from the second local step (tests/browser/
+  // test_local_steps.py, hand:odd: 0.8%). Unpacked elementwise kernels have no padding lanes to spoil; the
+  // remaining packed kernels (matmul, conv, slice, transpose, pack) write zeros there. They also save the
+  // pack/unpack/reshape kernels around each reduction, and upload no scalar (an unpacked kernel takes it as
+  // a uniform): fewer kernels per step (benchmarks/engine).
+  const SAFE_WEBGL_FLAGS = { WEBGL_PACK_BINARY_OPERATIONS: false, WEBGL_PACK_UNARY_OPERATIONS: false };
+
+  function guardPackedTextures() {
+    if (tf.getBackend() !== "webgl") return;
+    for (const [flag, value] of Object.entries(SAFE_WEBGL_FLAGS)) tf.env().set(flag, value);
+  }
+
+  // f() with WebGL's packed elementwise kernels, for work that cannot spoil a padding lane: inputs with clean
+  // lanes (what matmuls, convolutions, sums and uploads leave) and no broadcast but of scalars, f(0, 0) = 0.
+  // optim.js updates weights so: a weight then stays in the packed layout its matmul reads, instead of
+  // being unpacked for the update and packed again for the next forward, whole, every step.
+  function withPackedElementwise(f) {
+    const flags = Object.keys(SAFE_WEBGL_FLAGS);
+    const saved = flags.map((flag) => tf.env().getBool(flag));
+    if (tf.getBackend() !== "webgl" || saved.every(Boolean)) return f();
+    flags.forEach((flag) => tf.env().set(flag, true));
+    try {
+      return f();
+    } finally {
+      flags.forEach((flag, i) => tf.env().set(flag, saved[i]));
+    }
+  }
+
+  // weights: decoded safetensors {name: {shape, data}} (codecs.decode). Set the backend first.
   function createModel(graph, weights) {
+    guardPackedTextures();
     const params = makeVariables(graph.params, weights, "param", true);
     const buffers = makeVariables(graph.buffers || [], weights, "buffer", false);
     return {
@@ -533,9 +589,6 @@
     return null;
   }
 
-  // NHWC -> NCHW; a [N, 1, 1, C] tensor (global pooling) is already in NCHW order.
-  const fromNHWC = (t) => (t.shape[1] === 1 && t.shape[2] === 1 ? t.reshape([t.shape[0], t.shape[3], 1, 1]) : toNCHW(t));
-
   // feeds: {name: tf.Tensor} for graph inputs and (optionally) targets. Returns {output, loss, updates}
   // where updates are new buffer values the caller applies (see applyUpdates) once gradients are done.
   // seed (optional): dropout masks drawn from it, so that a pipeline stage's backward unit recomputes
@@ -544,7 +597,7 @@
     const env = new Map([...Object.entries(model.params), ...Object.entries(model.buffers), ...Object.entries(feeds)]);
     const nhwc = new Map(); // name -> the same value, channels last
     const get = (name) => {
-      if (!env.has(name) && nhwc.has(name)) env.set(name, fromNHWC(nhwc.get(name)));
+      if (!env.has(name) && nhwc.has(name)) env.set(name, toNCHW(nhwc.get(name)));
       return env.get(name);
     };
     const getNHWC = (name) => {
@@ -652,5 +705,7 @@
     return { value, grads: named, inputGrads };
   }
 
-  ns.runtime = { createModel, forward, gradients, backpropagate, OPS, LOSSES };
+  ns.runtime = {
+    createModel, forward, gradients, backpropagate, withPackedElementwise, OPS, LOSSES, SAFE_WEBGL_FLAGS,
+  };
 })((self.crowdtrain = self.crowdtrain || {}));
