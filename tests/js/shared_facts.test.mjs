@@ -191,8 +191,9 @@ function contributePage({ storedId = null } = {}) {
     close() {}
   }
   const localStorage = { getItem: () => page.stored, setItem: (key, value) => { page.stored = value; } };
-  page.window = load(["frontend/static/engine/spec.js", "frontend/static/frontend/backoff.js", "frontend/static/frontend/contribute.js"], {
-    document, Worker, WebSocket, localStorage, crypto, performance, location: { protocol: "http:", host: "test" },
+  page.window = load(["frontend/static/engine/spec.js", "frontend/static/frontend/backoff.js", "frontend/static/frontend/ring.js",
+    "frontend/static/frontend/contribute.js"], {
+    document, Worker, WebSocket, localStorage, crypto, performance, TextEncoder, TextDecoder, location: { protocol: "http:", host: "test" },
     setTimeout: (fn, ms) => page.timers.push(ms), clearTimeout: () => {}, setInterval: () => 0, clearInterval: () => {},
     navigator: { userAgent: "node" }, addEventListener: () => {},
   });
