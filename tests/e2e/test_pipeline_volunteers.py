@@ -121,7 +121,10 @@ def expected_credit(stack: Stack) -> int:
 
 
 def run_simulator(stack: Stack, results: list[SimulatorStats]) -> threading.Thread:
-    config = volunteer(stack, "sim-pipe", max_work_units=40, duration_s=600, prefetch=True)
+    """A slow simulated volunteer (a phone next to two laptops): it joins the stage short of capacity, and a
+    browser leaving its stage to it would lower that stage's capacity, so the swarm keeps the browsers on
+    their stages (a fast one would rightly free a browser for the other stage, ending their peer link)."""
+    config = volunteer(stack, "sim-pipe", max_work_units=40, duration_s=600, prefetch=True, gflops=0.01)
     thread = threading.Thread(
         target=lambda: results.append(asyncio.run(Simulator(config).run())), daemon=True
     )
