@@ -110,7 +110,7 @@ def expected_credit(stack: Stack) -> int:
     with urllib.request.urlopen(f"{stack.url}/blobs/{graph_id}") as response:  # a live project's: public
         graph = load_graph(response.read(), max_activation_bytes=activation_mb * 2**20)
     memory = MemoryModel(budget_bytes=MEMORY_MB * 2**20, micro_batch=MICRO_BATCH, optimizer_slots=0)
-    stages = partition(graph, STAGES, memory).stages
+    stages = partition(graph, STAGES, memory, micro_batches=MICRO_BATCHES).stages  # the server's cut for M
     rows = query(
         stack,
         "SELECT w.stage_kind, w.stage, w.count FROM projects_result r "
