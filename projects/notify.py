@@ -10,6 +10,7 @@ from channels.layers import get_channel_layer
 from config.celery import app
 
 VOLUNTEERS_GROUP = "volunteers"
+RING_UPLOAD_EVENT = "ring.upload"  # workers/ring.py's handler: the named device uploads a ring payload
 
 
 def user_group(user_id: int) -> str:
@@ -44,6 +45,11 @@ def results_decided(*, result_ids: list[int]) -> None:
     """Verdicts committed outside a validation (refusals, give-ups, abandons): their announcement, and the
     step any of them may complete (training.results_decided), run in a task."""
     _enqueue("results_decided", result_ids)
+
+
+def ring_upload_asked(*, user_id: int, device_id: int, digest: str) -> None:
+    """The server needs a payload a device sent by the peer ring (to check a unit that read it)."""
+    _group_send(user_group(user_id), {"type": RING_UPLOAD_EVENT, "to": device_id, "digest": digest})
 
 
 def step_wanted(*, project_id: int) -> None:

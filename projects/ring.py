@@ -8,7 +8,9 @@ SHA-256 (`Result.sent_digest`) instead of its bytes, and the units that read it 
 and checks them against the digest the producer gave the server.
 
 - Spot checks need the bytes: a unit sent for a spot check (drawn when sent, and every unit of a volunteer
-  not trusted yet) is told to upload its payload as usual (`ring_send_allowed`).
+  not trusted yet) is told to upload its payload as usual (`ring_send_allowed`). A checked unit that *read*
+  a payload by the ring is recomputed from it too: its result waits (pending) while the server asks the
+  producer to upload it, and is judged when it arrives (`ring_check_inputs`).
 - The relay: a consumer that cannot get the bytes from its peer (no channel, the peer does not have them, a
   digest mismatch) asks the server (`fetch`); the server asks the producer's device to upload them
   (`upload`, then the producer's `relay` frame), checks them against the digest and the shape, stores them
@@ -25,6 +27,7 @@ from __future__ import annotations
 import hashlib
 import re
 from dataclasses import dataclass
+from functools import partial
 
 from django.db import transaction
 from django.db.models import Exists, OuterRef, Q
@@ -157,18 +160,46 @@ def ring_fetch(*, user_id: int, work_unit_id: int, what: str) -> Fetch:
         digest = _digest(work_unit, what) if work_unit else ""
         if work_unit is None or not digest:
             return Fetch("refused")
-        blob = Blob.objects.filter(pk=digest).first()
-        if blob is not None:
-            _attach(work_unit=work_unit, blob=blob)
-            return Fetch("ready", digest)
-        producer = producer_result(work_unit=work_unit, what=what)
-        device = (
-            Device.objects.filter(pk=producer.device_id).first() if producer and producer.device_id else None
-        )
-        if producer is None or device is None or device.disconnected_at is not None:
+        fetch = _bring(work_unit=work_unit, what=what)
+        if fetch.status == "lost":
             ring_payload_lost(work_unit=work_unit, digest=digest)
-            return Fetch("lost", digest)
-        return Fetch("ask", digest, user_id=producer.volunteer_id, device_id=device.pk)
+        return fetch
+
+
+def ring_check_inputs(*, work_unit: WorkUnit) -> list[Fetch]:
+    """The server is to recompute `work_unit` (a check of its result) from the payloads it read: those sent
+    by the ring are attached if on the server by now; for the others, the producer's device is asked to
+    upload them (ring_relay_store then queues the result's validation again). Returns the payloads still
+    missing: "ask" (asked for, on commit) or "lost" (the producer left; its give-up, without penalty, is
+    the transitioner's)."""
+    wanted = [
+        what for what in (INPUT, OUTPUT_GRAD) if _digest(work_unit, what) and not _blob_id(work_unit, what)
+    ]
+    missing = [f for f in (_bring(work_unit=work_unit, what=what) for what in wanted) if f.status != "ready"]
+    for fetch in missing:
+        if fetch.status == "ask":
+            ask = partial(notify.ring_upload_asked, user_id=fetch.user_id, device_id=fetch.device_id)
+            transaction.on_commit(partial(ask, digest=fetch.digest))
+    return missing
+
+
+def _blob_id(work_unit: WorkUnit, what: str) -> str | None:
+    return work_unit.input_blob_id if what == INPUT else work_unit.grad_blob_id
+
+
+def _bring(*, work_unit: WorkUnit, what: str) -> Fetch:
+    """Where the payload `work_unit` reads as `what` is: on the server (attached now), with its producer's
+    connected device, or nowhere any more."""
+    digest = _digest(work_unit, what)
+    blob = Blob.objects.filter(pk=digest).first()
+    if blob is not None:
+        _attach(work_unit=work_unit, blob=blob)
+        return Fetch("ready", digest)
+    producer = producer_result(work_unit=work_unit, what=what)
+    device = Device.objects.filter(pk=producer.device_id).first() if producer and producer.device_id else None
+    if producer is None or device is None or device.disconnected_at is not None:
+        return Fetch("lost", digest)
+    return Fetch("ask", digest, user_id=producer.volunteer_id, device_id=device.pk)
 
 
 def _held(*, user_id: int, work_unit_id: int) -> WorkUnit | None:
@@ -200,7 +231,18 @@ def ring_relay_store(*, user_id: int, digest: str, payload: bytes) -> bool:
         blob = blob_put(data=payload)
         for work_unit in readers:
             _attach(work_unit=work_unit, blob=blob)
+        _revalidate(readers=readers)
         return True
+
+
+def _revalidate(*, readers: list[WorkUnit]) -> None:
+    """Results of these units received and waiting for the payload to be checked (ring_check_inputs): their
+    validation runs again once this commits."""
+    waiting = Result.objects.filter(
+        work_unit__in=readers, status=Result.Status.RECEIVED, validation=Result.Validation.PENDING
+    )
+    for result_id in waiting.values_list("pk", flat=True):
+        transaction.on_commit(partial(notify.result_received, result_id=result_id))
 
 
 def ring_relay_missing(*, user_id: int, digest: str) -> bool:

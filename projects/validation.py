@@ -48,7 +48,7 @@ from engine import codecs
 from engine.aggregate import check_update
 from engine.graph import Graph
 from engine.runtime import compute_gradients, local_steps
-from projects import notify, pipeline, stages, swarms
+from projects import notify, pipeline, ring, stages, swarms
 from projects.blobs import blob_put, blob_view
 from projects.datasets import shard_load
 from projects.lifecycle import result_invalidate, result_reject, results_abandon, results_awaiting_quorum
@@ -142,7 +142,7 @@ def _judge(result: Result) -> list[Result]:
         result.save(update_fields=["status", "reason"])
         return [result]
     if work_unit.stage_kind:
-        return [_judge_stage(result)]
+        return _judge_stage(result)
     reason, params = _own_problem(result)
     if reason:
         result_invalidate(result=result, reason=reason)
@@ -162,16 +162,20 @@ def _judge(result: Result) -> list[Result]:
     return [result]
 
 
-def _judge_stage(result: Result) -> Result:
+def _judge_stage(result: Result) -> list[Result]:
     """A pipeline stage unit's result (pipeline.py): its own checks, and the server's recomputation for
     volunteers not trusted yet and the drawn share of trusted ones. Valid: credit, and the unit its output
-    makes ready."""
+    makes ready. Undecided (none returned) while a payload the recomputation needs is still with the peer
+    that sent it by the ring (ring.ring_check_inputs asks it to upload)."""
     work_unit = result.work_unit
     trusted = volunteer_ensure(user=result.volunteer).is_trusted(threshold=work_unit.project.trust_threshold)
-    reason, parts = pipeline.stage_result_check(result=result, spot_check=work_unit.spot_check or not trusted)
+    check = work_unit.spot_check or not trusted
+    if check and ring.ring_check_inputs(work_unit=work_unit):
+        return []
+    reason, parts = pipeline.stage_result_check(result=result, spot_check=check)
     if reason:
         result_invalidate(result=result, reason=reason)
-        return result
+        return [result]
     _validate(result=result)
     swarms.stage_member_observe(result=result)
     _settle(work_unit=work_unit, canonical=result)
@@ -181,7 +185,7 @@ def _judge_stage(result: Result) -> Result:
         input_grad=parts.input_grad_bytes,
         sent_digest=result.sent_digest,
     )
-    return result
+    return [result]
 
 
 def _lateness(work_unit: WorkUnit) -> str | None:

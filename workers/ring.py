@@ -18,7 +18,7 @@ from workers import protocol
 from workers.models import Device
 from workers.protocol import ProtocolError
 
-UPLOAD_EVENT = "ring.upload"
+UPLOAD_EVENT = notify.RING_UPLOAD_EVENT
 
 
 @dataclass(frozen=True)

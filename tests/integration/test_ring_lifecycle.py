@@ -15,7 +15,7 @@ from django.db.models import Sum
 
 from engine import codecs
 from engine.graph import load_graph
-from projects import lifecycle, ring, stages
+from projects import lifecycle, notify, ring, stages
 from projects.datasets import shard_load
 from projects.models import Blob, ModelVersion, Project, Result, WorkUnit
 from projects.services import version_weights
@@ -243,6 +243,41 @@ def test_a_payload_whose_producer_left_is_computed_again_and_the_step_still_equa
     ledger = CreditEntry.objects.filter(project=project).aggregate(total=Sum("flops"))["total"]
     valid = Result.objects.filter(work_unit__project=project, validation=Result.Validation.VALID)
     assert ledger == sum(stages.unit_flops(work_unit=r.work_unit) for r in valid)
+
+
+def test_a_checked_unit_that_read_a_ring_payload_is_judged_once_its_producer_uploaded_it(
+    researcher: User, digits_dataset: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The server recomputes a checked unit from its inputs; one it read by the ring only is not on the
+    server. The result waits (no verdict, so no volunteer is failed for the server's missing bytes), the producer's
+    device is asked to upload, and its upload has the result judged."""
+    asked: list[tuple[int, int, str]] = []
+    monkeypatch.setattr(notify, "ring_upload_asked", lambda **kw: asked.append(tuple(kw.values())))
+    project = pipeline_project(researcher, digits_dataset, **RING)
+    peers = Peers()
+    ann, ben = users("ann", "ben")
+    held = first_consumer(project, peers, ann, ben)
+    WorkUnit.objects.filter(pk=held.work_unit_id).update(spot_check=True)  # drawn for a check when sent
+    held.work_unit.refresh_from_db()
+    digest = protocol.assign_message(held)["work_unit"]["ring"]["input"]["digest"]
+    frame, loss, sent = ring_answer(peers, held)  # ben pulled ann's activation peer to peer
+    outcome = lifecycle.result_receive(
+        user=ben,
+        work_unit_id=held.work_unit_id,
+        samples=held.work_unit.count,
+        loss=loss,
+        compute_ms=1,
+        payload=frame,
+        sent_digest=sent,
+    )
+    waiting = Result.objects.get(pk=held.pk)
+    assert (waiting.status, waiting.validation) == (Result.Status.RECEIVED, Result.Validation.PENDING), (
+        outcome
+    )
+    assert asked == [(ann.pk, Device.objects.get(volunteer__user=ann).pk, digest)]
+    assert ring.ring_relay_store(user_id=ann.pk, digest=digest, payload=peers.held[digest])
+    judged = Result.objects.get(pk=held.pk)
+    assert judged.validation == Result.Validation.VALID and judged.spot_checked, judged.reason
 
 
 def test_a_ring_result_for_a_unit_the_server_checks_is_invalid(researcher: User, digits_dataset: Any) -> None:
