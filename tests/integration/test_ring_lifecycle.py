@@ -249,8 +249,8 @@ def test_a_checked_unit_that_read_a_ring_payload_is_judged_once_its_producer_upl
     researcher: User, digits_dataset: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The server recomputes a checked unit from its inputs; one it read by the ring only is not on the
-    server. The result waits (no verdict, so no volunteer is failed for the server's missing bytes), the producer's
-    device is asked to upload, and its upload has the result judged."""
+    server. The result waits (no verdict: no volunteer fails for the server's missing bytes), the
+    producer's device is asked to upload, and its upload has the result judged."""
     asked: list[tuple[int, int, str]] = []
     monkeypatch.setattr(notify, "ring_upload_asked", lambda **kw: asked.append(tuple(kw.values())))
     project = pipeline_project(researcher, digits_dataset, **RING)
