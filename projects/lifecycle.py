@@ -29,7 +29,7 @@ from statistics import median
 from django.conf import settings
 from django.contrib.auth.models import User
 from django.db import transaction
-from django.db.models import Case, Q, QuerySet, Sum, Value, When
+from django.db.models import Case, Exists, OuterRef, Q, QuerySet, Sum, Value, When
 from django.utils import timezone
 
 from engine import spec
@@ -250,7 +250,15 @@ def _send(
         update_fields=["wanted", "total_results", "count", "target_results", "min_quorum", "spot_check"]
     )
     deadline = timezone.now() + timedelta(seconds=settings.CROWDTRAIN["WORK_UNIT_DEADLINE_SECONDS"])
-    return Result.objects.create(work_unit=work_unit, volunteer=user, device=device, deadline=deadline)
+    return _instance(work_unit=work_unit, user=user, device=device, deadline=deadline)
+
+
+def _instance(*, work_unit: WorkUnit, user: User, device: Device | None, deadline: datetime) -> Result:
+    old = Result.objects.filter(work_unit=work_unit, volunteer=user).first() if work_unit.stage_kind else None
+    if old is None:
+        return Result.objects.create(work_unit=work_unit, volunteer=user, device=device, deadline=deadline)
+    old.reopen(device=device, deadline=deadline)
+    return old
 
 
 def _why_chosen(*, work_unit: WorkUnit, user: User, preferences: Preferences) -> str:
@@ -318,13 +326,23 @@ def _next_open_work_unit(
         .filter(allowed or Q())
         .filter(swarms.stage_units_eligible(device_id=device_id))
         .select_for_update(skip_locked=True, of=("self",), no_key=True)
-        .exclude(results__volunteer=user)
+        .filter(_new_to(user=user))
         .select_related(
             "project", "version__weights", "version__wire_weights", "shard__blob", "project__graph"
         )
         .order_by(rank, *swarms.stage_units_own_first(device_id=device_id), "version__created_at", "id")
         .first()
     )
+
+
+def _new_to(*, user: User) -> Q:
+    """A volunteer gets an instance of a work unit once (BOINC's rule: replicas compared by a quorum come from
+    different volunteers). Stage units are never replicated (the server recomputes them), and a stage may
+    have one member: it gets a unit again once its earlier instance timed out, was released or cancelled, or a
+    unit of its stage would wait for a member that may never come. That instance is then reopened
+    (_instance): the database keeps one per volunteer and unit."""
+    mine = Result.objects.filter(work_unit=OuterRef("pk"), volunteer=user)
+    return ~Exists(mine) | (~Q(stage_kind="") & ~Exists(mine.exclude(status__in=Result.DEAD)))
 
 
 def _split_to_fit(*, work_unit: WorkUnit, samples: int) -> None:

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+from datetime import datetime
 from pathlib import Path
+from typing import Any
 
 from django.conf import settings
 from django.core.files import File
@@ -513,6 +515,18 @@ class Result(models.Model):
     download_ms = models.PositiveIntegerField(default=0)
     update_norm = models.FloatField(null=True, blank=True)
     aggregated = models.BooleanField(default=False)
+
+    DEAD = (Status.TIMED_OUT, Status.RELEASED, Status.CANCELLED)
+
+    def reopen(self, *, device: Any, deadline: datetime) -> None:
+        """Send this dead instance again, as new (lifecycle: a stage unit back to its stage's member; the
+        database keeps one row per volunteer and work unit)."""
+        self.status, self.validation, self.reason = self.Status.IN_PROGRESS, self.Validation.PENDING, ""
+        self.device, self.sent_at, self.deadline = device, timezone.now(), deadline
+        self.received_at, self.blob, self.digest, self.sent_digest = None, None, "", ""
+        self.samples, self.loss, self.compute_ms, self.download_ms, self.update_norm = 0, None, 0, 0, None
+        self.spot_checked = self.checked = self.aggregated = False
+        self.save()
 
     class Meta:
         constraints = [

@@ -126,10 +126,16 @@ def one(stack: Stack, sql: str, *params: Any) -> Any:
     return rows[0][0] if rows else None
 
 
+CONSOLE: list[str] = []  # the browsers' console (pages and their Web Workers), for a failure's message
+
+
 def wait_for(what: str, check: Any, timeout: float, stack: Stack) -> Any:
     deadline = time.monotonic() + timeout
     while not (value := check()):
-        assert time.monotonic() < deadline, f"{what}; worker log:\n{stack.log('worker')[-3000:]}"
+        console = "\n".join(CONSOLE[-60:])
+        assert time.monotonic() < deadline, (
+            f"{what}; browsers:\n{console}\nworker log:\n{stack.log('worker')[-2000:]}"
+        )
         time.sleep(1)
     return value
 
@@ -215,6 +221,8 @@ def test_two_browsers_and_a_simulated_volunteer_train_the_pipeline_peer_to_peer(
     contexts = [browser.new_context(viewport={"width": 1280, "height": 900}) for _ in BROWSERS]
     pages = [context.new_page() for context in contexts]
     for page, name in zip(pages, BROWSERS, strict=True):
+        page.on("console", lambda msg, n=name: CONSOLE.append(f"{n}: {msg.text}"))
+        page.on("pageerror", lambda exc, n=name: CONSOLE.append(f"{n}: page error {exc}"))
         sign_up(page, stack, name)
         page.goto(stack.url + "/contribute/")
         page.click("#contribute")

@@ -261,6 +261,25 @@ def test_memberships_of_stages_that_no_longer_exist_are_dropped(
 
 
 @pytest.mark.django_db(transaction=True)
+def test_a_stages_only_member_gets_a_unit_again_after_its_instance_timed_out(
+    researcher: User, digits_dataset: Any
+) -> None:
+    """BOINC sends a volunteer one instance of a work unit; a stage unit (never replicated) that its stage's
+    only member let time out would then wait for a member that may never come: the member gets it again."""
+    project = fed(pipeline_project(researcher, digits_dataset, pipeline_stages=2, micro_batches=1))
+    (member,) = crew("ann")
+    join(project, member, 0)
+    first = offer(member)
+    assert first is not None and offer(member) is None  # one unit in the step: held
+    Result.objects.filter(pk=first.pk).update(deadline=timezone.now() - timedelta(seconds=1))
+    assert lifecycle.results_expire() == [project.pk]
+    again = offer(member)
+    assert again is not None and again.work_unit_id == first.work_unit_id  # the instance reopened
+    assert again.status == Result.Status.IN_PROGRESS and again.deadline > timezone.now()
+    assert send(member[0], again).status == "valid"
+
+
+@pytest.mark.django_db(transaction=True)
 def test_a_member_leaving_mid_unit_costs_only_that_unit(researcher: User, digits_dataset: Any) -> None:
     """Its membership goes and its unit is released (the sweep of a device whose connection died); another
     member of the stage computes it, the step completes and the ledger sums exactly."""
