@@ -448,6 +448,8 @@ class ProjectDetailApi(PublicReads):
             project_update(project=project, changes=dict(serializer.validated_data))
         except IntegrityError as exc:
             raise ValidationError({"name": ["A project with this name exists already."]}) from exc
+        except ProjectError as exc:  # settings that do not go together (a pipeline that cannot be cut)
+            raise ValidationError({"non_field_errors": [str(exc)]}) from exc
         return _detail(project_id, request)
 
     @extend_schema(operation_id="projects_destroy", responses={204: None, 409: DETAIL, **COMMON})

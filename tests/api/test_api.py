@@ -181,6 +181,21 @@ def test_patch_settings_start_pause_and_delete(api: APIClient, owner: User, digi
     assert api.delete(url).status_code == 204 and not Project.objects.filter(pk=project.pk).exists()
 
 
+def test_settings_that_do_not_go_together_are_a_400_and_change_nothing(
+    api: APIClient, owner: User, digits_dataset: Dataset
+) -> None:
+    """Found by schemathesis: a pipeline the model cannot be cut into was a 500."""
+    from projects.services import project_create
+
+    project = project_create(owner=owner, name="Uncuttable", dataset=digits_dataset, preset="mlp")
+    url = f"/api/projects/{project.pk}/"
+    response = api.patch(url, {"mode": "pipeline", "pipeline_stages": 9}, format="json")
+    assert response.status_code == 400, response.content
+    assert "Pipeline mode cannot cut this model" in response.json()["non_field_errors"][0]
+    project.refresh_from_db()
+    assert (project.mode, project.pipeline_stages) == ("sync_sgd", 0)
+
+
 def test_a_project_volunteers_were_credited_for_cannot_be_deleted(
     api: APIClient, mlp_project: Project, volunteer_user: User
 ) -> None:
