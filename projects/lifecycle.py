@@ -257,6 +257,7 @@ def _instance(*, work_unit: WorkUnit, user: User, device: Device | None, deadlin
     old = Result.objects.filter(work_unit=work_unit, volunteer=user).first() if work_unit.stage_kind else None
     if old is None:
         return Result.objects.create(work_unit=work_unit, volunteer=user, device=device, deadline=deadline)
+    old.work_unit = work_unit  # as create() leaves it: the consumer reads it in daphne's event loop
     old.reopen(device=device, deadline=deadline)
     return old
 

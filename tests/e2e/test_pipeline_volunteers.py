@@ -235,7 +235,13 @@ def test_two_browsers_and_a_simulated_volunteer_train_the_pipeline_peer_to_peer(
     thread = run_simulator(stack, simulated)
 
     version = lambda: one(stack, "SELECT max(number) FROM projects_modelversion")  # noqa: E731
-    wait_for(f"{STEPS} steps not published", lambda: version() >= STEPS, 600, stack)
+    try:
+        wait_for(f"{STEPS} steps not published", lambda: version() >= STEPS, 600, stack)
+    except AssertionError:
+        for page, name in zip(pages, BROWSERS, strict=True):  # what each page saw, for the failure
+            CONSOLE.append(f"{name} ring {page.evaluate(RING_STATS)}; log:\n{page.inner_text('#log')}")
+        print("\n".join(CONSOLE))
+        raise
     for page in pages:
         page.wait_for_function("() => !document.querySelector('#project-stage').hidden")
     SHOTS.mkdir(parents=True, exist_ok=True)

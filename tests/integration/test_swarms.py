@@ -262,7 +262,7 @@ def test_memberships_of_stages_that_no_longer_exist_are_dropped(
 
 @pytest.mark.django_db(transaction=True)
 def test_a_stages_only_member_gets_a_unit_again_after_its_instance_timed_out(
-    researcher: User, digits_dataset: Any
+    researcher: User, digits_dataset: Any, django_assert_num_queries: Any
 ) -> None:
     """BOINC sends a volunteer one instance of a work unit; a stage unit (never replicated) that its stage's
     only member let time out would then wait for a member that may never come: the member gets it again."""
@@ -275,6 +275,8 @@ def test_a_stages_only_member_gets_a_unit_again_after_its_instance_timed_out(
     assert lifecycle.results_expire() == [project.pk]
     again = offer(member)
     assert again is not None and again.work_unit_id == first.work_unit_id  # the instance reopened
+    with django_assert_num_queries(0):  # its work unit at hand, as for a new one: the consumer is async
+        assert again.work_unit.stage_kind == "forward"
     assert again.status == Result.Status.IN_PROGRESS and again.deadline > timezone.now()
     assert send(member[0], again).status == "valid"
 
