@@ -83,8 +83,8 @@ def ring_answer(peers: Peers, result: Result) -> tuple[bytes, float, str]:
     return frame, loss, digest
 
 
-def send_ring(peers: Peers, user: User, result: Result) -> lifecycle.ResultOutcome:
-    frame, loss, digest = ring_answer(peers, result)
+def receive(user: User, result: Result, frame: bytes, loss: float, digest: str) -> lifecycle.ResultOutcome:
+    """The result frame as a volunteer sends it (`digest`: what it sent by the ring, or '')."""
     return lifecycle.result_receive(
         user=user,
         work_unit_id=result.work_unit_id,
@@ -94,6 +94,11 @@ def send_ring(peers: Peers, user: User, result: Result) -> lifecycle.ResultOutco
         payload=frame,
         sent_digest=digest,
     )
+
+
+def send_ring(peers: Peers, user: User, result: Result) -> lifecycle.ResultOutcome:
+    frame, loss, digest = ring_answer(peers, result)
+    return receive(user, result, frame, loss, digest)
 
 
 def device(user: User) -> Device:
@@ -146,15 +151,7 @@ def first_consumer(
     if lie:
         digest = hashlib.sha256(b"garbage").hexdigest()
         peers.held[digest] = b"garbage"
-    outcome = lifecycle.result_receive(
-        user=producer,
-        work_unit_id=result.work_unit_id,
-        samples=result.work_unit.count,
-        loss=loss,
-        compute_ms=1,
-        payload=frame,
-        sent_digest=digest,
-    )
+    outcome = receive(producer, result, frame, loss, digest)
     assert outcome.status == "valid"
     for _ in range(MICRO):
         held = lifecycle.work_unit_offer(user=consumer, device=device(consumer)).result
@@ -186,15 +183,7 @@ def test_a_consumer_without_a_channel_gets_the_payload_relayed_by_its_producer(
     assert again["ring"]["input"] is None and _blob(again["input_url"]) == payload
     assert ring.ring_fetch(user_id=ben.pk, work_unit_id=held.work_unit_id, what="input").status == "ready"
     frame, loss, digest = ring_answer(Peers(), held)
-    outcome = lifecycle.result_receive(
-        user=ben,
-        work_unit_id=held.work_unit_id,
-        samples=held.work_unit.count,
-        loss=loss,
-        compute_ms=1,
-        payload=frame,
-        sent_digest=digest,
-    )
+    outcome = receive(ben, held, frame, loss, digest)
     assert outcome.status == "valid"
 
 
@@ -261,15 +250,7 @@ def test_a_checked_unit_that_read_a_ring_payload_is_judged_once_its_producer_upl
     held.work_unit.refresh_from_db()
     digest = protocol.assign_message(held)["work_unit"]["ring"]["input"]["digest"]
     frame, loss, sent = ring_answer(peers, held)  # ben pulled ann's activation peer to peer
-    outcome = lifecycle.result_receive(
-        user=ben,
-        work_unit_id=held.work_unit_id,
-        samples=held.work_unit.count,
-        loss=loss,
-        compute_ms=1,
-        payload=frame,
-        sent_digest=sent,
-    )
+    outcome = receive(ben, held, frame, loss, sent)
     waiting = Result.objects.get(pk=held.pk)
     assert (waiting.status, waiting.validation) == (Result.Status.RECEIVED, Result.Validation.PENDING), (
         outcome
