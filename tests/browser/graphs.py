@@ -120,6 +120,31 @@ def odd() -> Graph:
     )
 
 
+def head() -> Graph:
+    """Even widths up to an odd class count (5), after a sigmoid: the backward product dy @ fc2.weight sums
+    that odd width, so on WebGL the engine pads fc2's weight to an even width (runtime.js linearProduct) to
+    run its steps with packed elementwise kernels (runtime.js "packed textures")."""
+    return graph(
+        "head-hand",
+        [spec("x", [-1, 6])],
+        [spec("y", [-1], "int64")],
+        [
+            spec("fc1.weight", [4, 6]),
+            spec("fc1.bias", [4]),
+            spec("fc2.weight", [5, 4]),
+            spec("fc2.bias", [5]),
+        ],
+        [],
+        [
+            node("fc1", "linear", ["x", "fc1.weight", "fc1.bias"]),
+            node("s", "sigmoid", ["fc1"]),
+            node("fc2", "linear", ["s", "fc2.weight", "fc2.bias"]),
+        ],
+        "fc2",
+        "cross_entropy",
+    )
+
+
 def _bn(prefix: str, c: int) -> tuple[list, list]:
     return (
         [spec(f"{prefix}.weight", [c]), spec(f"{prefix}.bias", [c])],
