@@ -145,6 +145,35 @@ def head() -> Graph:
     )
 
 
+def conv_odd() -> Graph:
+    """A convolution with 3 output channels after one with 4: the first's input gradient sums those 3 lanes
+    (TF.js's packed Conv2DBackpropInput), so WebGL runs its steps unpacked (runtime.js "packed textures")."""
+    return graph(
+        "conv-odd-hand",
+        [spec("x", [-1, 2, 6, 6])],
+        [spec("y", [-1], "int64")],
+        [
+            spec("c1.weight", [4, 2, 3, 3]),
+            spec("c1.bias", [4]),
+            spec("c2.weight", [3, 4, 3, 3]),
+            spec("c2.bias", [3]),
+            spec("fc.weight", [4, 108]),
+            spec("fc.bias", [4]),
+        ],
+        [],
+        [
+            node("c1", "conv2d", ["x", "c1.weight", "c1.bias"], padding=[1, 1]),  # [N,4,6,6]
+            node("s1", "sigmoid", ["c1"]),
+            node("c2", "conv2d", ["s1", "c2.weight", "c2.bias"], padding=[1, 1]),  # [N,3,6,6]
+            node("s2", "sigmoid", ["c2"]),
+            node("f", "flatten", ["s2"]),  # [N,108]
+            node("fc", "linear", ["f", "fc.weight", "fc.bias"]),
+        ],
+        "fc",
+        "cross_entropy",
+    )
+
+
 def _bn(prefix: str, c: int) -> tuple[list, list]:
     return (
         [spec(f"{prefix}.weight", [c]), spec(f"{prefix}.bias", [c])],

@@ -32,14 +32,25 @@ def case(name: str) -> tuple[graphs.Graph, graphs.Tensors]:
     if name == "hand:head":  # an odd class count after even widths (graphs.head)
         g = graphs.head()
         return g, graphs.init_weights(g, 5)
+    if name == "hand:conv_odd":  # a convolution's input gradient over 3 channels (graphs.conv_odd)
+        g = graphs.conv_odd()
+        return g, graphs.init_weights(g, 5)
     return preset(name)  # dropout off: its masks are random on both sides
 
 
 # Whether a case's steps may run WebGL's packed elementwise kernels (runtime.js "packed textures": every
-# lane sum over an even dimension). hand:odd's fc2 sums its width 5; hand:cnn's adaptive pooling a width of
-# 11. The presets' first convolutions sum 9 or 27 lanes, but as im2col products with exact zeros in both
-# operands' padding lanes; hand:head's 5 classes are padded to 6.
-PACKED = {"mlp": True, "cnn": True, "hand:cnn": False, "hand:odd": False, "hand:head": True}
+# lane sum over an even dimension). hand:odd's fc2 sums its width 5, hand:cnn's adaptive pooling a width of
+# 11, the input gradient of hand:conv_odd's c2 its 3 channels. The cnn preset's first convolution sums 9
+# lanes (1 channel, 3x3), but as an im2col product, with exact zeros in both operands' padding lanes;
+# hand:head's 5 classes are padded to 6.
+PACKED = {
+    "mlp": True,
+    "cnn": True,
+    "hand:cnn": False,
+    "hand:odd": False,
+    "hand:head": True,
+    "hand:conv_odd": False,
+}
 
 
 def delta_errors(got: graphs.Tensors, want: graphs.Tensors, exact: graphs.Tensors) -> dict[str, Any]:
@@ -98,7 +109,7 @@ def run_local_steps(harness: Any, backend: str, name: str, samples: int) -> dict
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("name", ["mlp", "cnn", "hand:cnn", "hand:odd", "hand:head"])
+@pytest.mark.parametrize("name", sorted(PACKED))
 def test_local_steps_match_torch(harness: Any, backend: str, name: str) -> None:
     r = run_local_steps(harness, backend, name, SAMPLES)
     # The first step of each batch size runs unpacked (audited), the next two of 8 packed where that is safe:

@@ -464,7 +464,7 @@
   // composite would run about three times the kernels (the max, the broadcasts and every sum have gradients,
   // and the targets' side is differentiated too), the larger part of a small model's step (benchmarks/engine).
   // q and total go through save(): f's own tensors are gone by the time the gradient runs. (A custom
-  // gradient once broke parity on WebGL; the cause was packed textures, see guardPackedTextures.)
+  // gradient once broke parity on WebGL; the cause was packed textures, see "packed textures".)
   function weightedNll(z, q, total) {
     return tf.customGrad((logits, save) => {
       const shifted = tf.sub(logits, tf.max(logits, 1, true));
