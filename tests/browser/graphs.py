@@ -174,6 +174,31 @@ def conv_odd() -> Graph:
     )
 
 
+def conv_one_channel() -> Graph:
+    """A 3x3 convolution of a 1-channel image sums 9 lanes per output, as an im2col product whose operands
+    both hold exact zeros in their padding lanes: WebGL may run its steps packed (runtime.js LANE_SUMS)."""
+    return graph(
+        "conv1-hand",
+        [spec("x", [-1, 1, 6, 6])],
+        [spec("y", [-1], "int64")],
+        [
+            spec("c1.weight", [4, 1, 3, 3]),
+            spec("c1.bias", [4]),
+            spec("fc.weight", [4, 144]),
+            spec("fc.bias", [4]),
+        ],
+        [],
+        [
+            node("c1", "conv2d", ["x", "c1.weight", "c1.bias"], padding=[1, 1]),  # [N,4,6,6]
+            node("s1", "sigmoid", ["c1"]),
+            node("f", "flatten", ["s1"]),  # [N,144]
+            node("fc", "linear", ["f", "fc.weight", "fc.bias"]),
+        ],
+        "fc",
+        "cross_entropy",
+    )
+
+
 def _bn(prefix: str, c: int) -> tuple[list, list]:
     return (
         [spec(f"{prefix}.weight", [c]), spec(f"{prefix}.bias", [c])],

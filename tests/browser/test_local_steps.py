@@ -35,21 +35,25 @@ def case(name: str) -> tuple[graphs.Graph, graphs.Tensors]:
     if name == "hand:conv_odd":  # a convolution's input gradient over 3 channels (graphs.conv_odd)
         g = graphs.conv_odd()
         return g, graphs.init_weights(g, 5)
+    if name == "hand:conv1":  # a 3x3 convolution of 1 channel (graphs.conv_one_channel)
+        g = graphs.conv_one_channel()
+        return g, graphs.init_weights(g, 5)
     return preset(name)  # dropout off: its masks are random on both sides
 
 
-# Whether a case's steps may run WebGL's packed elementwise kernels (runtime.js "packed textures": every
-# lane sum over an even dimension). hand:odd's fc2 sums its width 5, hand:cnn's adaptive pooling a width of
-# 11, the input gradient of hand:conv_odd's c2 its 3 channels. The cnn preset's first convolution sums 9
-# lanes (1 channel, 3x3), but as an im2col product, with exact zeros in both operands' padding lanes;
-# hand:head's 5 classes are padded to 6.
+# Whether a case's steps run WebGL's packed elementwise kernels (runtime.js "packed textures": every lane
+# sum over an even dimension, and no pooling). hand:odd's fc2 sums its width 5, hand:cnn's adaptive pooling
+# a width of 11, the input gradient of hand:conv_odd's c2 its 3 channels; the cnn preset max-pools.
+# hand:conv1's convolution sums 9 lanes, but as an im2col product with exact zeros in both operands'
+# padding lanes; hand:head's 5 classes are padded to 6.
 PACKED = {
     "mlp": True,
-    "cnn": True,
+    "cnn": False,
     "hand:cnn": False,
     "hand:odd": False,
     "hand:head": True,
     "hand:conv_odd": False,
+    "hand:conv1": True,
 }
 
 
