@@ -43,6 +43,7 @@ class BackwardResult:
     input_grad: Tensor | None  # None for the first stage, and when nothing before the stage trains
     grads: dict[str, Tensor]  # by param name; zeros for params the output does not depend on
     loss: float | None  # the last stage's unscaled loss
+    buffers: dict[str, Tensor]  # the trained buffers after the recomputed forward, as ForwardResult's
 
 
 def stage_weights(stage: Stage, weights: Mapping[str, Tensor]) -> dict[str, Tensor]:
@@ -66,8 +67,7 @@ def stage_forward(
     module = _module(stage, weights, training)
     with torch.no_grad(), _seeded(seed):
         output = module(_feed(stage, inputs, None, grad=False))
-    state = module.state()
-    return ForwardResult(output, {name: state[name] for name in stage.graph.trained_buffers()})
+    return ForwardResult(output, _trained(stage, module))
 
 
 def stage_backward(
@@ -82,14 +82,15 @@ def stage_backward(
     training: bool = True,
 ) -> BackwardResult:
     """The backward unit: recompute the forward from ``inputs`` with the forward unit's ``seed``, then
-    backpropagate ``output_grad`` (or, in the last stage, the loss of ``targets`` times ``loss_scale``)."""
+    backpropagate ``output_grad`` (or, in the last stage, the loss of ``targets`` times ``loss_scale``).
+    Its result reports the trained buffers after that forward too: the server applies a backward result's."""
     _check_unit(stage, output_grad, targets, loss_scale)
     module = _module(stage, weights, training)
     feed = _feed(stage, inputs, targets, grad=stage.needs_input_grad)
     with _seeded(seed):
         output = module(feed)
     loss = _backpropagate(module, stage, output, output_grad, targets or {}, loss_scale)
-    return BackwardResult(_input_grad(stage, feed), module.grads(), loss)
+    return BackwardResult(_input_grad(stage, feed), module.grads(), loss, _trained(stage, module))
 
 
 def loss_scales(
@@ -147,6 +148,11 @@ def _module(stage: Stage, weights: Mapping[str, Tensor], training: bool) -> Grap
     module.load_state(stage_weights(stage, weights))
     module.train(training)
     return module
+
+
+def _trained(stage: Stage, module: GraphModule) -> dict[str, Tensor]:
+    state = module.state()
+    return {name: state[name] for name in stage.graph.trained_buffers()}
 
 
 def _feed(

@@ -175,9 +175,6 @@ def stage_unit_recompute(*, work_unit: WorkUnit) -> StageParts:
     if work_unit.stage_kind == FORWARD:
         return StageParts(activation=stage_forward(stage, weights, inputs, seed=seed).output)
     output_grad = None if stage.last else _blob_tensor(work_unit.grad_blob, work_unit, stage, kind="gradient")
-    buffers = (
-        stage_forward(stage, weights, inputs, seed=seed).buffers if stage.graph.trained_buffers() else {}
-    )
     done = stage_backward(
         stage,
         weights,
@@ -187,7 +184,7 @@ def stage_unit_recompute(*, work_unit: WorkUnit) -> StageParts:
         loss_scale=work_unit.loss_scale if work_unit.loss_scale is not None else 1.0,
         seed=seed,
     )
-    return StageParts(input_grad=done.input_grad, grads=done.grads, buffers=buffers)
+    return StageParts(input_grad=done.input_grad, grads=done.grads, buffers=done.buffers)
 
 
 def _unit_weights(*, work_unit: WorkUnit) -> Tensors:

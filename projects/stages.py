@@ -56,7 +56,7 @@ PARTITIONS_KEPT = 16
 # data-parallel slice is (its samples fed anew): its inputs are the server's own, validated, so its failures
 # are volunteers', and it is sent again until one computes it.
 STAGE_UNIT_LIMITS = {"max_error_results": 1000, "max_total_results": 2000}
-PartitionKey = tuple[str, int, int, MemoryModel]
+PartitionKey = tuple[str, int, int, MemoryModel, int]  # graph, activation cap, stages, memory, micro-batches
 _partitions: dict[PartitionKey, Partition] = {}
 _stage_blob_ids: dict[tuple[PartitionKey, str, int], tuple[str, str]] = {}
 
@@ -79,32 +79,44 @@ def _graph(*, sha256: str, max_activation_bytes: int) -> Graph:
 
 
 def project_partition(*, project: Project) -> Partition:
-    """The project's stages: `pipeline_stages` of them, or the fewest that fit its per-device budget.
-    Cached by everything it depends on: graphs are immutable, settings change only the key."""
+    """The project's stages: `pipeline_stages` of them, or the fewest that fit its per-device budget, cut
+    where a step of its `micro_batches` is shortest (engine.partition.partition). Cached by everything it
+    depends on: graphs are immutable, settings change only the key."""
     key = _partition_key(project=project)
     if key not in _partitions:
         if len(_partitions) >= PARTITIONS_KEPT:
             _partitions.pop(next(iter(_partitions)))
         _partitions[key] = _partition(
-            graph=stage_graph(project=project), stages=project.pipeline_stages, memory=key[3]
+            graph=stage_graph(project=project),
+            stages=project.pipeline_stages,
+            memory=key[3],
+            micro_batches=key[4],
         )
     return _partitions[key]
 
 
 def _partition_key(*, project: Project) -> PartitionKey:
     memory = _memory_model(project=project, optimizer_slots=0)
-    return (project.graph_id, project.max_activation_bytes, project.pipeline_stages, memory)
+    return (
+        project.graph_id,
+        project.max_activation_bytes,
+        project.pipeline_stages,
+        memory,
+        project.micro_batches,
+    )
 
 
-def _partition(*, graph: Graph, stages: int, memory: MemoryModel) -> Partition:
+def _partition(*, graph: Graph, stages: int, memory: MemoryModel, micro_batches: int) -> Partition:
+    """The fastest GPipe step of `micro_batches` decides the cuts: which ones are fastest depends on M
+    (fill and drain weigh less as M grows), so volunteers' credit checks recompute it with the same M."""
     if stages:
-        return partition(graph, stages, memory)
+        return partition(graph, stages, memory, micro_batches=micro_batches)
     for count in range(1, MAX_STAGES):
         try:
-            return partition(graph, count, memory)
+            return partition(graph, count, memory, micro_batches=micro_batches)
         except PartitionError:
             continue
-    return partition(graph, MAX_STAGES, memory)  # raises, saying what would fit
+    return partition(graph, MAX_STAGES, memory, micro_batches=micro_batches)  # raises, saying what would fit
 
 
 def _memory_model(*, project: Project, optimizer_slots: int) -> MemoryModel:

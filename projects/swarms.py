@@ -17,11 +17,13 @@ which stage of a pipeline project, and so which stage units each device is offer
   slot would finish sooner. A unit is held for them for ROUTE_HOLD_SECONDS at most after it became ready, so
   a faster member that never asks (a paused browser) cannot hold work back for long.
 - **Rebalancing** (beat, `pipelines_rebalance`): memberships of departed devices and of stages that no longer
-  exist go; then at most one member per project moves to the bottleneck: a stage without members, else the
-  stage with the most ready units per member (REBALANCE_BACKLOG at least). It comes from the stage with the
-  most capacity for its load among those with two members or more and at least one ready unit per member
-  less, and it has served its stage for REBALANCE_MIN_STAY_SECONDS (no ping-pong). Units in flight are not
-  interrupted: a moved device finishes them, and its next units are its new stage's.
+  exist go; then at most one member per project moves, from a stage with two members or more, and only one
+  that has served its stage for REBALANCE_MIN_STAY_SECONDS (no ping-pong). Into a stage without members
+  (the one with the most ready units) goes the member whose leaving costs the least capacity; else the one
+  move that raises the smallest stage capacity (members' summed speed over the stage's FLOPs per step, the
+  stage that bounds the swarm's throughput) by REBALANCE_GAIN at least. Ready-unit queues are not the signal:
+  each step begins with all of stage 0's forward units ready, however well the stages are served. Units in
+  flight are not interrupted: a moved device finishes them, and its next units are its new stage's.
 Each question here is one or two indexed queries. The scheduler's own condition adds three EXISTS on the
 member table's (project, device) and (project, stage) indexes to its one query, which data-parallel units
 never run (their first term decides; EXPLAIN ANALYZE shows the subplans "never executed").
@@ -56,7 +58,7 @@ from projects.models import Project, Result, StageMember, WorkUnit
 from projects.stages import project_partition, unit_flops
 
 ROUTE_HOLD_SECONDS = 10.0
-REBALANCE_BACKLOG = 2.0  # ready units per member that make a stage the bottleneck
+REBALANCE_GAIN = 0.2  # a move must raise the smallest stage capacity by this fraction (speeds are noisy)
 REBALANCE_MIN_STAY_SECONDS = 60.0
 
 
@@ -252,8 +254,7 @@ def pipeline_rebalance(*, project_id: int) -> int:
             .annotate(speed=_speed())
             .order_by("pk")
         )
-        ready = _ready_by_stage(project_id=project_id)
-        move = _move(members=members, ready=ready, loads=loads)
+        move = _move(members=members, ready=_ready_by_stage(project_id=project_id), loads=loads)
         if move is None:
             return 0
         member, stage = move
@@ -265,34 +266,44 @@ def pipeline_rebalance(*, project_id: int) -> int:
 def _move(
     *, members: Sequence[StageMember], ready: dict[int, int], loads: list[int]
 ) -> tuple[StageMember, int] | None:
-    """Which member goes to which stage, if any."""
+    """Which member goes to which stage, if any: into a stage without members, the move that keeps the most
+    capacity everywhere; else the move that raises the smallest capacity (summed speed over FLOPs per step)
+    by REBALANCE_GAIN at least. Queues are not the signal: every step starts with all M forward units of
+    stage 0 ready (GPipe's fill), which says nothing about which stage is short of volunteers."""
     by_stage: dict[int, list[StageMember]] = {k: [] for k in range(len(loads))}
     for member in members:
         by_stage[member.stage].append(member)
-
-    def backlog(k: int) -> float:
-        return ready.get(k, 0) / len(by_stage[k]) if by_stage[k] else float("inf")
-
-    def capacity(k: int) -> float:
-        return sum(m.speed for m in by_stage[k]) / max(loads[k], 1)  # type: ignore[attr-defined]
-
+    settled = timezone.now() - timedelta(seconds=REBALANCE_MIN_STAY_SECONDS)
+    movable = [m for k, ms in by_stage.items() if len(ms) >= 2 for m in ms if m.joined_at <= settled]
     empty = [k for k in by_stage if not by_stage[k]]
     if empty:
         target = max(empty, key=lambda k: (ready.get(k, 0), -k))
-    else:
-        target = max(by_stage, key=lambda k: (backlog(k), -k))
-        if backlog(target) < REBALANCE_BACKLOG:
+        if not movable:
             return None
-    donors = [
-        k
-        for k in by_stage
-        if k != target
-        and len(by_stage[k]) >= 2
-        and (not by_stage[target] or backlog(k) <= backlog(target) - 1)
-    ]
-    settled = timezone.now() - timedelta(seconds=REBALANCE_MIN_STAY_SECONDS)
-    for donor in sorted(donors, key=lambda k: (-capacity(k), k)):
-        movable = [m for m in by_stage[donor] if m.joined_at <= settled]
-        if movable:  # its slowest member: the donor loses the least
-            return min(movable, key=lambda m: (m.speed, m.pk)), target  # type: ignore[attr-defined]
-    return None
+        best = max(movable, key=lambda m: (_smallest_capacity(by_stage, loads, m, target, empty), -m.pk))
+        return best, target
+    now = _smallest_capacity(by_stage, loads)
+    moves = [(_smallest_capacity(by_stage, loads, m, k), -m.pk, m, k) for m in movable for k in by_stage]
+    if not moves:
+        return None
+    after, _, member, target = max(moves, key=lambda t: t[:2])
+    return (member, target) if after > now * (1 + REBALANCE_GAIN) else None
+
+
+def _smallest_capacity(
+    by_stage: dict[int, list[StageMember]],
+    loads: list[int],
+    moved: StageMember | None = None,
+    target: int = 0,
+    ignore: Sequence[int] = (),
+) -> float:
+    """The smallest of the stages' capacities (summed speed / FLOPs per step), `moved` counted in `target`;
+    stages in `ignore` (still empty) left out."""
+
+    def capacity(k: int) -> float:
+        speeds = [m.speed for m in by_stage[k] if m is not moved]  # type: ignore[attr-defined]
+        if moved is not None and k == target:
+            speeds.append(moved.speed)  # type: ignore[attr-defined]
+        return sum(speeds) / max(loads[k], 1)
+
+    return min((capacity(k) for k in by_stage if k not in ignore or k == target), default=0.0)

@@ -377,18 +377,15 @@ def honest_stage_result(
     if fields["kind"] == "forward":
         output = stage_forward(stage, weights, feed, seed=seed).output
         return activations.encode(output, codec, kind="activation"), 0.0
-    output_grad, buffers = None, {}
-    if not stage.last or graph.trained_buffers():  # the output's shape; the trained buffers it reports
-        forward = stage_forward(stage, weights, feed, seed=seed)
-        buffers = forward.buffers
-    if not stage.last:
-        shape = list(forward.output.shape)
+    output_grad = None
+    if not stage.last:  # decoded against the output's shape
+        shape = list(stage_forward(stage, weights, feed, seed=seed).output.shape)
         output_grad = activations.decode(inputs.grad_blob or b"", shape, kind="gradient", codec=codec)
     targets = {graph.loss.inputs[1]: inputs.y} if stage.last else None
     scale = float(fields.get("loss_scale") or 1.0)
     done = stage_backward(stage, weights, feed, output_grad, targets=targets, loss_scale=scale, seed=seed)
     grad = b"" if done.input_grad is None else activations.encode(done.input_grad, codec, kind="gradient")
-    tensors = codecs.encode({**done.grads, **buffers}, "fp32")  # batch-norm statistics beside the gradients
+    tensors = codecs.encode({**done.grads, **done.buffers}, "fp32")  # batch-norm statistics beside them
     return STAGE_LENGTH.pack(len(grad)) + grad + tensors, done.loss or 0.0
 
 

@@ -163,6 +163,7 @@ def browser_backward(
         ],
     )
     r["grads"] = tensors_from_b64(r["grads"]) if stage.graph.params else {}
+    r["buffers"] = tensors_from_b64(r["buffers"])
     r["input"] = None if r["inputGrad"] is None else tensors_from_b64(r["inputGrad"])["input"]
     return r
 
@@ -202,16 +203,19 @@ def check_backward(name: str, backend: str, stage: Stage, weights: Tensors, micr
     exact = float64_unit(stage, weights, feed, grad, targets or {})
     assert got["leaked"] == 0 and got["moved"] == 0, (got["leaked"], got["moved"])
     grads = off_float64(got["grads"], want.grads, exact["grads"], gradient_floor(exact["grads"]))
+    # The trained buffers after the recomputed forward, which the server applies (all or none reported).
+    assert set(got["buffers"]) == set(want.buffers) == set(stage.graph.trained_buffers())
+    buffers = off_float64(got["buffers"], want.buffers, exact["buffers"], buffer_floor(exact["buffers"]))
     inputs: tuple[float, float, list[str]] = (0.0, 0.0, [])
     assert (got["input"] is None) == (want.input_grad is None) == (not stage.needs_input_grad)
     if want.input_grad is not None:
         inputs = off_float64({"in": got["input"]}, {"in": want.input_grad}, {"in": exact["input"]}, 1e-12)
     loss = 0.0 if want.loss is None else abs(got["loss"] - exact["loss"]) / abs(exact["loss"])
     where = {"graph": name, "stage": stage.index, "backend": backend}
-    errors = {"grads": grads[0], "input": inputs[0], "loss": loss}
-    record("pipeline_backward", {**where, **errors, "torch32": max(grads[1], inputs[1])})
-    assert loss <= TOLERANCE and not grads[2] + inputs[2], (
-        f"backward unit {where}: {grads[2]} {inputs[2]} {loss}"
+    errors = {"grads": grads[0], "input": inputs[0], "buffers": buffers[0], "loss": loss}
+    record("pipeline_backward", {**where, **errors, "torch32": max(grads[1], inputs[1], buffers[1])})
+    assert loss <= TOLERANCE and not grads[2] + inputs[2] + buffers[2], (
+        f"backward unit {where}: {grads[2]} {inputs[2]} {buffers[2]} {loss}"
     )
     return max(errors.values())
 

@@ -205,14 +205,41 @@ def b64_bytes(data: bytes) -> str:
 
 @pytest.fixture(scope="module")
 def stage_work(static_server: Any) -> dict[str, Any]:
-    """One micro-batch of the MLP cut in 3 stages, every unit computed by the server's interpreter from the
-    same encoded inputs the browser is given: what the worker must send back."""
+    """One micro-batch of the MLP cut in 3 stages: what the worker must send back."""
+    return server_units(static_server, *presets.export_preset("mlp", seed=0))
+
+
+class TwoNorms(torch.nn.Module):
+    """Cut in 3 stages: a first stage without batch norm, then bn1 in the middle one and bn2 in the last."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.bn1 = torch.nn.Linear(784, 32), torch.nn.BatchNorm1d(32)
+        self.fc2, self.bn2 = torch.nn.Linear(32, 16), torch.nn.BatchNorm1d(16)
+        self.fc3 = torch.nn.Linear(16, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = torch.relu(self.bn1(self.fc1(x.flatten(1))))
+        return self.fc3(torch.relu(self.bn2(self.fc2(x))))
+
+
+@pytest.fixture(scope="module")
+def normed_stage_work(static_server: Any) -> dict[str, Any]:
+    from engine.export import export_module
+
+    torch.manual_seed(0)
+    graph, weights = export_module(TwoNorms(), (1, 28, 28), loss=torch.nn.CrossEntropyLoss())
+    return server_units(static_server, graph, weights)
+
+
+def server_units(static_server: Any, g: dict[str, Any], weights: dict[str, torch.Tensor]) -> dict[str, Any]:
+    """One micro-batch of `g` cut in 3 stages, every unit computed by the server's interpreter from the
+    same encoded inputs the browser is given."""
     from engine import activations
     from engine.graph import graph_to_json, load_graph
     from engine.partition import MemoryModel, partition
     from engine.pipeline import stage_backward, stage_forward, stage_weights
 
-    g, weights = presets.export_preset("mlp", seed=0)
     stages = partition(load_graph(g), STAGE_COUNT, MemoryModel(micro_batch=MICRO, optimizer_slots=0)).stages
     x, y = digits(2)
     offset = 5
@@ -244,7 +271,15 @@ def stage_work(static_server: Any) -> dict[str, Any]:
     for k, stage in enumerate(stages):
         urls[f"graph{k}"] = put(static_server, graph_to_json(stage.graph))
         urls[f"weights{k}"] = put(static_server, codecs.encode(stage_weights(stage, weights)))
-    return {"stages": stages, "want": want, "blobs": blobs, "urls": urls, "shard": shard, "offset": offset}
+    return {
+        "stages": stages,
+        "want": want,
+        "blobs": blobs,
+        "urls": urls,
+        "shard": shard,
+        "offset": offset,
+        "weights": weights,
+    }
 
 
 def stage_assign(work: dict[str, Any], unit: int, k: int, kind: str, **fields: Any) -> dict[str, Any]:
@@ -374,3 +409,47 @@ def test_worker_computes_every_kind_of_stage_unit_as_the_server_does(
     for k in range(STAGE_COUNT):
         assert requested.count(urls[f"graph{k}"]) == requested.count(urls[f"weights{k}"]) == 1, requested
     assert "/blobs/not-relayed" not in requested and requested.count(urls["out0"]) == 1  # backward: cached
+
+
+def test_worker_backward_units_send_their_stages_batch_norm_statistics(
+    harness: Any, normed_stage_work: dict[str, Any]
+) -> None:
+    """A backward result carries, in the safetensors of its parameter gradients and named as the buffers,
+    the stage's running statistics after its recomputed forward (docs/protocol.md "Stage units"): exactly
+    the names the server expects (projects/pipeline.py refuses a result without them), and the values of
+    engine/pipeline.py's unit within the parity tolerance (1e-4 of each buffer's scale), far inside the
+    spot check's GRADS_TOLERANCE. The model's cached statistics stay untouched: the same unit twice sends
+    the same statistics."""
+    from projects.pipeline import GRADS_TOLERANCE
+
+    work, urls, want = normed_stage_work, normed_stage_work["urls"], normed_stage_work["want"]
+    assigns = [
+        stage_assign(work, 1, 2, "backward", input_url=urls["out1"]),
+        stage_assign(work, 2, 1, "backward", input_url=urls["out0"], output_grad_url=urls["grad2"]),
+        stage_assign(work, 3, 0, "backward", output_grad_url=urls["grad1"]),
+        stage_assign(work, 4, 1, "backward", input_url=urls["out0"], output_grad_url=urls["grad2"]),
+    ]
+    _, *results = harness.evaluate("([b, a]) => harness.workerCompute(b, a)", [["webgl"], assigns])
+    assert [r["type"] for r in results] == ["result"] * 4, results
+    errors = {}
+    for result, unit, k in zip(results, ["last", "middle", "first", "middle"], [2, 1, 0, 1], strict=True):
+        stage, server = work["stages"][k], want[unit]
+        _, tensors = backward_parts(result)
+        trained = stage.graph.trained_buffers()
+        assert set(tensors) == {p.name for p in stage.graph.params} | set(trained), (k, sorted(tensors))
+        assert set(server.buffers) == set(trained)
+        got = {name: tensors[name] for name in trained}
+        if not trained:
+            continue
+        floor = max(float(v.abs().max()) for v in server.buffers.values()) * 1e-4
+        errors[f"stage{k}"] = max(max_errors(got, server.buffers, floor).values())
+        assert errors[f"stage{k}"] <= 1e-4, (k, errors)
+        assert rel_l2(got, server.buffers) <= GRADS_TOLERANCE
+        # The weights' own statistics (what a dropped update leaves) would be far outside the bound.
+        stale = {n: normed_stage_work["weights"][n] for n in trained}
+        assert max(max_errors(stale, server.buffers, floor).values()) > 100 * 1e-4
+    assert set(errors) == {"stage1", "stage2"}
+    _, again = backward_parts(results[3])
+    _, first_time = backward_parts(results[1])
+    assert all(torch.equal(again[n], first_time[n]) for n in work["stages"][1].graph.trained_buffers())
+    record("worker_stage_buffers", {"backend": "webgl", **errors})

@@ -171,17 +171,17 @@ def pipeline_problems(stack: ChaosStack) -> dict[str, list[Any]]:
 
 def stage_partition(stack: ChaosStack) -> Partition:
     """The demo's stages, cut from its graph exactly as the server cuts them (projects/stages.py)."""
-    ((graph_id, batch, stages, budget),) = rows(
+    ((graph_id, batch, stages, budget, micro_batches),) = rows(
         stack,
-        "SELECT graph_id, batch_size, pipeline_stages, device_memory_mb FROM projects_project "
-        "WHERE name = %s",
+        "SELECT graph_id, batch_size, pipeline_stages, device_memory_mb, micro_batches "
+        "FROM projects_project WHERE name = %s",
         DEMO_PROJECT,
     )
     graph = load_graph((stack.blob_root / graph_id[:2] / graph_id).read_bytes())
     memory = MemoryModel(
         budget_bytes=budget * 2**20 if budget else None, micro_batch=batch, optimizer_slots=0
     )
-    return partition(graph, stages, memory)
+    return partition(graph, stages, memory, micro_batches=micro_batches)  # the cut depends on M
 
 
 def unit_flops(parts: Partition, kind: str, stage: int, count: int) -> int:

@@ -110,7 +110,7 @@ def expected_credit(stack: Stack) -> int:
     with urllib.request.urlopen(f"{stack.url}/blobs/{graph_id}") as response:  # a live project's: public
         graph = load_graph(response.read(), max_activation_bytes=activation_mb * 2**20)
     memory = MemoryModel(budget_bytes=MEMORY_MB * 2**20, micro_batch=MICRO_BATCH, optimizer_slots=0)
-    stages = partition(graph, STAGES, memory).stages
+    stages = partition(graph, STAGES, memory, micro_batches=MICRO_BATCHES).stages  # the server's cut for M
     rows = query(
         stack,
         "SELECT w.stage_kind, w.stage, w.count FROM projects_result r "
@@ -121,7 +121,10 @@ def expected_credit(stack: Stack) -> int:
 
 
 def run_simulator(stack: Stack, results: list[SimulatorStats]) -> threading.Thread:
-    config = volunteer(stack, "sim-pipe", max_work_units=40, duration_s=600, prefetch=True)
+    """A slow simulated volunteer (a phone next to two laptops): it joins the stage short of capacity, and a
+    browser leaving its stage to it would lower that stage's capacity, so the swarm keeps the browsers on
+    their stages (a fast one would rightly free a browser for the other stage, ending their peer link)."""
+    config = volunteer(stack, "sim-pipe", max_work_units=40, duration_s=600, prefetch=True, gflops=0.01)
     thread = threading.Thread(
         target=lambda: results.append(asyncio.run(Simulator(config).run())), daemon=True
     )

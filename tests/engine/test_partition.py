@@ -254,6 +254,29 @@ def test_dropout_in_a_middle_stage_is_recomputed_with_the_forward_masks() -> Non
         check_same(chain(p, weights, x, y, [6, 9]), ref)
 
 
+def test_backward_units_report_the_trained_buffers_of_their_recomputed_forward() -> None:
+    """The server applies a backward result's batch-norm statistics: a backward unit reports exactly the
+    forward unit's (same input, same seed), moved off the weights it was given, in every stage with any."""
+    graph, weights = model("mobilenet_like")
+    p = partition(graph, 3, MemoryModel(micro_batch=4))
+    x, y = batch("mobilenet_like", 4)
+    act: Tensor | dict[str, Tensor] = {"x": x}
+    normed = 0
+    for stage in p.stages:
+        forward = stage_forward(stage, weights, act, seed=3)
+        grad = None if stage.last else torch.ones_like(forward.output)
+        targets = {"y": y} if stage.last else None
+        unit = stage_backward(stage, weights, act, grad, targets=targets, seed=3)
+        assert list(unit.buffers) == stage.graph.trained_buffers() == list(forward.buffers)
+        for name, value in unit.buffers.items():
+            assert torch.equal(value, forward.buffers[name]), name
+            assert not torch.equal(value, weights[name]), name  # the micro-batch's statistics went in
+        normed += bool(unit.buffers)
+        act = forward.output
+    assert normed >= 2  # batch norms in more than one stage, the last included
+    assert p.stages[-1].graph.trained_buffers()
+
+
 # ---------------------------------------------------------------- what the partition contains
 
 

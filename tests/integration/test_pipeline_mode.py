@@ -399,3 +399,26 @@ def test_a_backward_result_without_its_stages_statistics_is_invalid(
     result = forward_then(project, [ann, mallory])
     outcome = send(mallory, result, without_buffers)
     assert outcome.status == "invalid" and "trained buffers" in outcome.reason, outcome
+
+
+def stale_buffers(result: Result) -> tuple[bytes, float]:
+    """The statistics the unit was sent, as a volunteer that dropped its forward's updates would report."""
+    payload, loss = honest(result)
+    grad, tensors = stages.payload_split(payload)
+    sent = result.work_unit.stage_weights
+    assert sent is not None
+    before = codecs.decode(sent.read())[0]
+    stale = {k: before[k] if "running" in k else v for k, v in codecs.decode(tensors)[0].items()}
+    return stages.backward_payload(input_grad=grad, grads=codecs.encode(stale, "fp32")), loss
+
+
+def test_a_backward_result_with_stale_statistics_fails_its_spot_check(
+    researcher: User, digits_dataset: Any
+) -> None:
+    """Right names and shapes, its parameter gradients honest: the spot check compares the statistics too."""
+    project = normed_project(researcher, digits_dataset, TwoNorms())
+    ann, mallory = users("ann", "mallory")
+    result = forward_then(project, [ann, mallory])
+    assert stages.unit_stage(work_unit=result.work_unit).graph.trained_buffers()
+    outcome = send(mallory, result, stale_buffers)
+    assert outcome.status == "invalid" and "trained buffers differ" in outcome.reason, outcome

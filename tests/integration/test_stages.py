@@ -104,6 +104,58 @@ def test_a_stage_unit_is_sent_again_however_often_it_fails(researcher: User, dig
     assert unit.is_open and unit.wanted == 6
 
 
+# --- the partition follows the micro-batch count -----------------------------------------------------
+
+
+def hourglass() -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """Five layers of about equal FLOPs: in 3 stages the cut with the shortest GPipe step moves with M
+    (M = 4: 2 layers, 1, 2; M = 8: 1, 1, 3; the last stage recomputes no forward, so it can take more)."""
+    from engine.export import export_module
+
+    torch.manual_seed(0)
+    layers: list[torch.nn.Module] = [torch.nn.Flatten()]
+    for a, b in ((784, 100), (100, 784), (784, 100), (100, 784)):
+        layers += [torch.nn.Linear(a, b), torch.nn.ReLU()]
+    net = torch.nn.Sequential(*layers, torch.nn.Linear(784, 10))
+    return export_module(net, (1, 28, 28), loss=torch.nn.CrossEntropyLoss())
+
+
+def test_the_partition_is_the_fastest_step_for_the_projects_micro_batches(
+    researcher: User, digits_dataset: Any
+) -> None:
+    """The server cuts where a step of the project's `micro_batches` is shortest, as every recomputation of
+    its partition (credit checks, the volunteers' tests) does; a new M after a pause gives a new cut."""
+    from engine.partition import MemoryModel, partition
+    from projects.services import project_create_from_graph, project_graph
+
+    graph, weights = hourglass()
+    settings = {"mode": "pipeline", "pipeline_stages": 3, "micro_batches": 4, "batch_size": 10}
+    project = project_create_from_graph(
+        owner=researcher,
+        name="Hourglass",
+        dataset=digits_dataset,
+        graph_dict=graph,
+        weights=weights,
+        settings=settings,
+    )
+    project = project_start(project=project)
+    memory = MemoryModel(micro_batch=10, optimizer_slots=0)
+    cuts: dict[int, list[range]] = {}
+    for m in (4, 8):
+        if m != project.micro_batches:
+            project_update(project=project_pause(project=project), changes={"micro_batches": m})
+            project = project_start(project=Project.objects.get(pk=project.pk))
+        server = stages.project_partition(project=project)
+        expected = partition(project_graph(project=project), 3, memory, micro_batches=m)
+        cuts[m] = [stage.nodes for stage in server.stages]
+        assert cuts[m] == [stage.nodes for stage in expected.stages] and server.cuts == expected.cuts
+    assert cuts[4] != cuts[8], cuts
+    # Cut for the wrong M, a step would take longer: the server must not reuse the cut cached for M = 4.
+    whole = project_graph(project=project)
+    by_m = {m: partition(whole, 3, memory, micro_batches=m) for m in (4, 8)}
+    assert by_m[8].makespan(8) < by_m[4].makespan(8)
+
+
 # --- changing the partition ---------------------------------------------------------------------------
 
 

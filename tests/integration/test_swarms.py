@@ -199,24 +199,53 @@ def test_the_rebalancer_fills_a_stage_whose_volunteers_left(researcher: User, di
     Device.objects.filter(pk=gone[1].pk).update(disconnected_at=timezone.now())  # its departure not seen yet
     assert swarms.pipelines_rebalance() == 1
     assert stage_of(gone, project) is None
-    assert (stage_of(slower, project), stage_of(faster, project)) == (1, 0)  # the donor keeps its fastest
+    heavier = max((0, 1), key=loads(project).__getitem__)  # the faster goes where the FLOPs are
+    assert (stage_of(faster, project), stage_of(slower, project)) == (heavier, 1 - heavier)
     assert swarms.pipeline_rebalance(project_id=project.pk) == 0  # balanced: nothing more to move
+
+
+def loads(project: Project) -> list[int]:
+    return [stage.step_flops for stage in stages.project_partition(project=project).stages]
 
 
 @pytest.mark.django_db
 def test_the_rebalancer_moves_a_member_to_the_bottleneck_but_not_one_that_just_moved(
     researcher: User, digits_dataset: Any
 ) -> None:
+    """Stage 1's one slow member bounds the swarm; one of stage 0's two fast members moves there, and only
+    once it has served its stage REBALANCE_MIN_STAY_SECONDS."""
     project = fed(pipeline_project(researcher, digits_dataset, pipeline_stages=2, micro_batches=4))
+    load = loads(project)
     a, b, c = crew("a", "b", "c")
-    join(project, a, 0)
-    join(project, b, 0)
-    join(project, c, 1)
-    WorkUnit.objects.filter(project=project).update(stage=1, stage_kind="backward")  # 4 ready for 1 member
+    join(project, a, 0, speed_gflops=load[0] / 1e6)
+    join(project, b, 0, speed_gflops=load[0] / 1e6)
+    join(project, c, 1, speed_gflops=load[1] / 1e8)  # 100x less capacity than stage 0's members
     assert swarms.pipeline_rebalance(project_id=project.pk) == 0  # a and b only just joined stage 0
     served_long(project)
     assert swarms.pipeline_rebalance(project_id=project.pk) == 1
     assert sorted(swarms.stage_devices(project_id=project.pk, stage=1)) == sorted([a[1].pk, c[1].pk])
+    served_long(project)
+    assert swarms.pipeline_rebalance(project_id=project.pk) == 0  # stage 0 has one member left: none to spare
+
+
+@pytest.mark.django_db
+def test_the_rebalancer_moves_nobody_for_a_steps_fill_when_the_stages_are_served_in_proportion(
+    researcher: User, digits_dataset: Any
+) -> None:
+    """Every step starts with all M forward units of stage 0 ready and none elsewhere (GPipe's fill). With
+    each stage's members' speed in proportion to its FLOPs, that queue is no reason to move anyone (it once
+    moved a browser off its stage in the end-to-end test, ending its peer link)."""
+    project = fed(pipeline_project(researcher, digits_dataset, pipeline_stages=2, micro_batches=4))
+    load = loads(project)
+    a, b, c = crew("a", "b", "c")
+    join(project, a, 0, speed_gflops=load[0] / 1e6)
+    join(project, b, 1, speed_gflops=load[1] / 2e6)
+    join(project, c, 1, speed_gflops=load[1] / 2e6)
+    served_long(project)
+    ready = WorkUnit.objects.filter(project=project, status=WorkUnit.Status.OPEN)
+    assert set(ready.values_list("stage", flat=True)) == {0} and ready.count() == 4
+    assert swarms.pipeline_rebalance(project_id=project.pk) == 0
+    assert swarms.stage_devices(project_id=project.pk, stage=0) == [a[1].pk]
 
 
 @pytest.mark.django_db

@@ -3,7 +3,8 @@
 // Units are stateless, as BOINC work units are: a forward unit maps a micro-batch's input activation to
 // the stage's output and reports the batch-norm statistics it updated without keeping them; a backward
 // unit gets the same input again, recomputes the forward (activation recomputation) with the forward
-// unit's seed, so dropout draws the same masks, and backpropagates the output's gradient (or, in the last
+// unit's seed, so dropout draws the same masks, reports that forward's batch-norm statistics too (the
+// server applies a backward result's), and backpropagates the output's gradient (or, in the last
 // stage, the loss of the targets times the micro-batch's loss scale) to the input and the params.
 // Returned tensors belong to the caller. Classic script: attaches to self.crowdtrain.pipeline; needs
 // runtime.js and the global `tf`.
@@ -76,19 +77,27 @@
   function stageForward(model, inputs, { seed, training = true } = {}) {
     const feeds = inputFeeds(model.graph, inputs);
     const r = ns.runtime.forward(model, feeds, { training, seed: checkSeed(seed), update: false });
+    return { output: r.output, buffers: stageBuffers(model, r.buffers) };
+  }
+
+  // {name: tf.Tensor} for each of the stage's trained buffers: its value after the unit's forward, or (not
+  // updated, e.g. in eval mode) the model's own. The other updates are disposed.
+  function stageBuffers(model, updates) {
     const buffers = {};
     for (const name of trainedBuffers(model.graph)) {
-      buffers[name] = r.buffers[name] || model.buffers[name].clone();
-      delete r.buffers[name];
+      buffers[name] = updates[name] || model.buffers[name].clone();
+      delete updates[name];
     }
-    tf.dispose(Object.values(r.buffers));
-    return { output: r.output, buffers };
+    tf.dispose(Object.values(updates));
+    return buffers;
   }
 
   // The backward unit. Not the last stage: options.outputGrad, the gradient of the output. The last stage:
   // options.targets ({name: tf.Tensor}) and lossScale. inputGrad: whether to return d/d(input), the
   // stage's needs_input_grad (default: when its one input is float32). Returns {inputGrad (or null),
-  // grads: {param: tf.Tensor}, loss: the unscaled loss, a scalar tf.Tensor (last stage), else null}.
+  // grads: {param: tf.Tensor}, loss: the unscaled loss, a scalar tf.Tensor (last stage), else null,
+  // buffers: {name: tf.Tensor}, the trained buffers after the recomputed forward, as stageForward's}: the
+  // server applies those a backward result reports (docs/protocol.md "Stage units").
   function stageBackward(model, inputs, { outputGrad, targets, lossScale = 1, seed, training = true, inputGrad } = {}) {
     const graph = model.graph, last = targets !== undefined && targets !== null;
     if (last === (outputGrad !== undefined && outputGrad !== null)) {
@@ -107,7 +116,10 @@
       const all = last ? { ...targetFeeds(graph, targets), ...feeds } : feeds;
       const r = ns.runtime.backpropagate(model, all, dy, { fromLoss: last, wrt, training, seed: checkSeed(seed) });
       if (!last) r.value.dispose();
-      return { inputGrad: wantInput ? r.inputGrads[wrt[0]] : null, grads: r.grads, loss: last ? r.value : null };
+      return {
+        inputGrad: wantInput ? r.inputGrads[wrt[0]] : null, grads: r.grads, loss: last ? r.value : null,
+        buffers: stageBuffers(model, r.buffers),
+      };
     } finally {
       if (last) dy.dispose();
     }

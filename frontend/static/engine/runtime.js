@@ -794,7 +794,9 @@
   // The vector-Jacobian product of a pipeline stage's backward unit (pipeline.js): backpropagates `dy`, the
   // gradient of the output (or with fromLoss, of the loss: a scalar, the micro-batch's loss scale), to every
   // param and to the feeds named in `wrt`. Returns {value: the output (or the unscaled loss), grads: {param},
-  // inputGrads: {feed}}, zeros where nothing flows. Buffer updates are dropped: a backward unit reports none.
+  // inputGrads: {feed}, buffers: {name: new value}}, zeros where nothing flows. The buffer updates of the
+  // recomputed forward (batch-norm statistics) are returned, not applied, as forward's update: false does:
+  // a backward unit reports them and leaves the cached model unchanged.
   // tf.variableGrads takes no dy, so this is the engine's own gradients(), which variableGrads wraps.
   function backpropagate(model, feeds, dy, { fromLoss = false, wrt = [], training = true, seed } = {}) {
     const names = Object.keys(model.params);
@@ -802,7 +804,7 @@
     let updates = [];
     const f = () => {
       const r = run(model, feeds, training, seed);
-      updates = r.updates.map(([, t]) => tf.keep(t)); // f runs inside a tidy
+      updates = r.updates.map(([name, t]) => [name, tf.keep(t)]); // f runs inside a tidy
       const y = fromLoss ? r.loss : r.output;
       if (!y) throw new Error("backpropagate: the loss needs the graph's targets");
       if (y.rank !== dy.rank || y.shape.some((d, i) => d !== dy.shape[i])) {
@@ -814,15 +816,16 @@
     let result;
     try {
       result = packedSteps(model, key, () => (xs.length ? tf.engine().gradients(f, xs, dy, true) : { value: tf.tidy(f), grads: [] }));
-    } finally {
-      tf.dispose(updates);
+    } catch (err) {
+      tf.dispose(updates.map(([, t]) => t));
+      throw err;
     }
     const { value, grads } = result;
     const gradOf = (i) => grads[i] || tf.zerosLike(xs[i]);
     const named = {}, inputGrads = {};
     names.forEach((n, i) => { named[n] = gradOf(i); });
     wrt.forEach((n, i) => { inputGrads[n] = gradOf(names.length + i); });
-    return { value, grads: named, inputGrads };
+    return { value, grads: named, inputGrads, buffers: lastUpdates(updates) };
   }
 
   ns.runtime = {

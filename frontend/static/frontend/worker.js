@@ -345,9 +345,11 @@ async function stageTask(model, assign, d) {
       outputGrad, targets, lossScale: st.loss_scale === null ? 1 : st.loss_scale, seed: st.seed, training: true,
       inputGrad: st.needs_input_grad,
     });
-    made.push(...Object.values(r.grads), r.inputGrad, r.loss);
+    made.push(...Object.values(r.grads), ...Object.values(r.buffers), r.inputGrad, r.loss);
     const inputGrad = r.inputGrad ? await encodedActivation(r.inputGrad, "gradient", codec) : new Uint8Array(0);
-    const grads = await encodedGrads(r.grads);
+    // The stage's batch-norm statistics after the recomputed forward go beside the parameter gradients,
+    // named as the buffers: the server applies them, and refuses a result of such a stage without them.
+    const grads = await encodedGrads({ ...r.grads, ...r.buffers });
     const loss = r.loss ? (await r.loss.data())[0] : 0;
     const sent = byRing && inputGrad.length ? inputGrad : null;
     return { bytes: framed(sent ? new Uint8Array(0) : inputGrad, grads), sent, loss, samples: assign.batch_size };

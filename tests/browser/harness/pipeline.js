@@ -61,8 +61,9 @@
         grads: await namedB64(r.grads),
         inputGrad: r.inputGrad ? await namedB64({ input: r.inputGrad }) : null,
         loss: r.loss ? (await r.loss.data())[0] : null,
+        buffers: await namedB64(r.buffers),
       };
-      tf.dispose([...Object.values(r.grads), r.inputGrad, r.loss].filter(Boolean));
+      tf.dispose([...Object.values(r.grads), ...Object.values(r.buffers), r.inputGrad, r.loss].filter(Boolean));
       return { ...out, leaked: tf.memory().numTensors - before, moved: await moved(model, weights), backend: tf.getBackend() };
     } finally {
       tf.dispose([...Object.values(feeds), ...Object.values(targets || {}), outputGrad].filter(Boolean));
@@ -106,14 +107,14 @@
       }
       const end = ct.pipeline.stageBackward(models[last], acts[last], { targets, seed: seeds[last], inputGrad: needsInputGrad[last] });
       const loss = (await end.loss.data())[0];
-      end.loss.dispose();
+      tf.dispose([end.loss, ...Object.values(end.buffers)]);
       addInto(total, end.grads);
       let grad = end.inputGrad;
       for (let k = last - 1; k >= 0 && grad; k--) {
         const g = await send(grad, "gradient", codec, blockSize, sent);
         grad.dispose();
         const u = ct.pipeline.stageBackward(models[k], acts[k], { outputGrad: g, seed: seeds[k], inputGrad: needsInputGrad[k] });
-        g.dispose();
+        tf.dispose([g, ...Object.values(u.buffers)]);
         addInto(total, u.grads);
         grad = u.inputGrad;
       }
