@@ -78,9 +78,10 @@
     return counts;
   }
 
-  // The engine runs WebGL's elementwise kernels unpacked (runtime.js, guardPackedTextures), a page-wide
-  // setting that changes the hand-written model's speed too. It is also timed with TF.js's defaults, and
-  // the faster of the two is the yardstick (run.py): its widths are even, which the packed kernels get right.
+  // The engine sets WebGL's elementwise kernels unpacked page-wide (runtime.js, guardPackedTextures), and
+  // packs them only within its own steps where that is safe (runtime.js packedSteps); the page-wide setting
+  // changes the hand-written model's speed too. It is also timed with TF.js's defaults, and the faster of the
+  // two is the yardstick (run.py): its widths are even, which the packed kernels get right.
   function withTfjsDefaults(step) {
     const flags = Object.keys(ct.runtime.SAFE_WEBGL_FLAGS);
     return (...args) => {

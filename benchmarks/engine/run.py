@@ -12,8 +12,9 @@ reported is the median over pairs of hand-written ms / interpreter ms (robust to
 run on a shared machine). The goal is ratio >= 0.95. Models are the presets and some of
 tests/engine/corpus.py; corpus models without a hand-written twin are timed for the interpreter alone
 (no ratio). On WebGL the hand-written model is timed twice, under the engine's page-wide setting (unpacked
-elementwise kernels, frontend/static/engine/runtime.js guardPackedTextures) and under TF.js's defaults, and
-the faster is the yardstick. Each row also counts what one step runs (TF.js kernels; on WebGL and WebGPU the
+elementwise kernels, frontend/static/engine/runtime.js guardPackedTextures; the engine packs them in its own
+steps where that is safe, runtime.js packedSteps) and under TF.js's defaults, and the faster is the
+yardstick. Each row also counts what one step runs (TF.js kernels; on WebGL and WebGPU the
 shader programs dispatched, conversions included), which machine load does not move. Writes
 benchmarks/results/engine.json.
 """

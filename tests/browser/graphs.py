@@ -120,6 +120,85 @@ def odd() -> Graph:
     )
 
 
+def head() -> Graph:
+    """Even widths up to an odd class count (5), after a sigmoid: the backward product dy @ fc2.weight sums
+    that odd width, so on WebGL the engine pads fc2's weight to an even width (runtime.js linearProduct) to
+    run its steps with packed elementwise kernels (runtime.js "packed textures")."""
+    return graph(
+        "head-hand",
+        [spec("x", [-1, 6])],
+        [spec("y", [-1], "int64")],
+        [
+            spec("fc1.weight", [4, 6]),
+            spec("fc1.bias", [4]),
+            spec("fc2.weight", [5, 4]),
+            spec("fc2.bias", [5]),
+        ],
+        [],
+        [
+            node("fc1", "linear", ["x", "fc1.weight", "fc1.bias"]),
+            node("s", "sigmoid", ["fc1"]),
+            node("fc2", "linear", ["s", "fc2.weight", "fc2.bias"]),
+        ],
+        "fc2",
+        "cross_entropy",
+    )
+
+
+def conv_odd() -> Graph:
+    """A convolution with 3 output channels after one with 4: the first's input gradient sums those 3 lanes
+    (TF.js's packed Conv2DBackpropInput), so WebGL runs its steps unpacked (runtime.js "packed textures")."""
+    return graph(
+        "conv-odd-hand",
+        [spec("x", [-1, 2, 6, 6])],
+        [spec("y", [-1], "int64")],
+        [
+            spec("c1.weight", [4, 2, 3, 3]),
+            spec("c1.bias", [4]),
+            spec("c2.weight", [3, 4, 3, 3]),
+            spec("c2.bias", [3]),
+            spec("fc.weight", [4, 108]),
+            spec("fc.bias", [4]),
+        ],
+        [],
+        [
+            node("c1", "conv2d", ["x", "c1.weight", "c1.bias"], padding=[1, 1]),  # [N,4,6,6]
+            node("s1", "sigmoid", ["c1"]),
+            node("c2", "conv2d", ["s1", "c2.weight", "c2.bias"], padding=[1, 1]),  # [N,3,6,6]
+            node("s2", "sigmoid", ["c2"]),
+            node("f", "flatten", ["s2"]),  # [N,108]
+            node("fc", "linear", ["f", "fc.weight", "fc.bias"]),
+        ],
+        "fc",
+        "cross_entropy",
+    )
+
+
+def conv_one_channel() -> Graph:
+    """A 3x3 convolution of a 1-channel image sums 9 lanes per output, as an im2col product whose operands
+    both hold exact zeros in their padding lanes: WebGL may run its steps packed (runtime.js LANE_SUMS)."""
+    return graph(
+        "conv1-hand",
+        [spec("x", [-1, 1, 6, 6])],
+        [spec("y", [-1], "int64")],
+        [
+            spec("c1.weight", [4, 1, 3, 3]),
+            spec("c1.bias", [4]),
+            spec("fc.weight", [4, 144]),
+            spec("fc.bias", [4]),
+        ],
+        [],
+        [
+            node("c1", "conv2d", ["x", "c1.weight", "c1.bias"], padding=[1, 1]),  # [N,4,6,6]
+            node("s1", "sigmoid", ["c1"]),
+            node("f", "flatten", ["s1"]),  # [N,144]
+            node("fc", "linear", ["f", "fc.weight", "fc.bias"]),
+        ],
+        "fc",
+        "cross_entropy",
+    )
+
+
 def _bn(prefix: str, c: int) -> tuple[list, list]:
     return (
         [spec(f"{prefix}.weight", [c]), spec(f"{prefix}.bias", [c])],

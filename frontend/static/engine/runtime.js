@@ -11,6 +11,7 @@
   // ---- small helpers ---------------------------------------------------------------------------
   const axis = (d, rank) => (d < 0 ? d + rank : d);
   const prod = (xs) => xs.reduce((a, b) => a * b, 1);
+  const even = (d) => d % 2 === 0;
 
   function pair(v, fallback) {
     if (v === undefined || v === null || (Array.isArray(v) && v.length === 0)) v = fallback;
@@ -352,6 +353,17 @@
     })(x, keep);
   }
 
+  // x @ w^T. On WebGL an odd out_features (a classifier's 65-letter vocabulary, 5 classes) is padded to even
+  // with a zero row of w, and the product sliced back: the backward product dy @ w then sums an even
+  // dimension, all real lanes, so the step may run packed ("packed textures" below); the slice's gradient
+  // pads dy with real zeros. The sums are those of the unpadded product: its padding lane held 0 * 0 too.
+  function linearProduct(x, w) {
+    const n = w.shape[0];
+    if (even(n) || tf.getBackend() !== "webgl") return tf.matMul(x, w, false, true);
+    const y = tf.matMul(x, tf.pad(w, [[0, 1], [0, 0]]), false, true);
+    return tf.slice(y, [0, 0], [-1, n]);
+  }
+
   // With padding_idx, that row is looked up as usual but never receives a gradient (torch's padding_idx).
   function embedding([ids, w], a) {
     const flatIds = ids.reshape([-1]).toInt();
@@ -367,7 +379,7 @@
   const OPS = {
     linear: ([x, w, b]) => { // plain matMul + add: tf.fused.matMul is slower under gradients (tfjs 4.22)
       // A 2-D x skips the reshapes: each would be a tape node (and a saved copy) for nothing.
-      let y = tf.matMul(x.rank === 2 ? x : x.reshape([-1, w.shape[1]]), w, false, true);
+      let y = linearProduct(x.rank === 2 ? x : x.reshape([-1, w.shape[1]]), w);
       if (b) y = tf.add(y, b);
       return x.rank === 2 ? y : y.reshape([...x.shape.slice(0, -1), w.shape[0]]);
     },
@@ -452,7 +464,7 @@
   // composite would run about three times the kernels (the max, the broadcasts and every sum have gradients,
   // and the targets' side is differentiated too), the larger part of a small model's step (benchmarks/engine).
   // q and total go through save(): f's own tensors are gone by the time the gradient runs. (A custom
-  // gradient once broke parity on WebGL; the cause was packed textures, see guardPackedTextures.)
+  // gradient once broke parity on WebGL; the cause was packed textures, see "packed textures".)
   function weightedNll(z, q, total) {
     return tf.customGrad((logits, save) => {
       const shifted = tf.sub(logits, tf.max(logits, 1, true));
@@ -513,14 +525,17 @@
 
   // ---- packed textures (WebGL) ---------------------------------------------------------------------
   // TF.js 4.22's WebGL backend stores values as "packed" 2x2 texels, an odd-sized axis ending in padding
-  // lanes. Its packed matmul (also behind 1x1 and im2col convs) sums a texel's padding lanes too, assuming
-  // they are 0; its packed elementwise ops do not keep them 0 (sigmoid writes 0.5, exp 1, a broadcast
-  // subtraction -m). Once an SGD step carries such lanes into the weights, a matmul over an odd dimension
-  // is off by their products: torch parity broke from the second local step (tests/browser/
-  // test_local_steps.py, hand:odd: 0.8%). Unpacked elementwise kernels have no padding lanes to spoil; the
-  // remaining packed kernels (matmul, conv, slice, transpose, pack) write zeros there. They also save the
-  // pack/unpack/reshape kernels around each reduction, and upload no scalar (an unpacked kernel takes it as
-  // a uniform): fewer kernels per step (benchmarks/engine).
+  // lanes. Its packed elementwise ops do not keep those lanes 0 (sigmoid writes 0.5, exp 1, a broadcast
+  // subtraction -m), and a few kernels sum a texel's lanes along one dimension, the padding lanes too when
+  // that dimension is odd: once an SGD step carried such lanes into the weights, torch parity broke from the
+  // second local step (tests/browser/test_local_steps.py, hand:odd: 0.8%). Every other WebGL kernel computes
+  // a real lane from real lanes only: elementwise ops lane by lane (broadcasts included), slice, transpose,
+  // pad, concat, reshape and gather by coordinates, reductions and pooling unpacked. So a step whose lane
+  // sums all run over even dimensions never reads a padding lane, whatever the lanes hold, and may run the
+  // packed elementwise kernels (4 values per texel, no pack/unpack around matmuls and convolutions: fewer,
+  // cheaper kernels, benchmarks/engine). Other steps run them unpacked (no padding lanes to spoil); the
+  // remaining packed kernels write zeros there. The page-wide default is unpacked (guardPackedTextures);
+  // packedSteps below decides per step (and keeps steps that pool unpacked, for speed: POOLS).
   const SAFE_WEBGL_FLAGS = { WEBGL_PACK_BINARY_OPERATIONS: false, WEBGL_PACK_UNARY_OPERATIONS: false };
 
   function guardPackedTextures() {
@@ -528,20 +543,124 @@
     for (const [flag, value] of Object.entries(SAFE_WEBGL_FLAGS)) tf.env().set(flag, value);
   }
 
-  // f() with WebGL's packed elementwise kernels, for work that cannot spoil a padding lane: inputs with clean
-  // lanes (what matmuls, convolutions, sums and uploads leave) and no broadcast but of scalars, f(0, 0) = 0.
-  // optim.js updates weights so: a weight then stays in the packed layout its matmul reads, instead of
-  // being unpacked for the update and packed again for the next forward, whole, every step.
-  function withPackedElementwise(f) {
+  // f() with WebGL's elementwise kernels packed or not, the flags restored afterwards.
+  function withElementwise(packed, f) {
     const flags = Object.keys(SAFE_WEBGL_FLAGS);
     const saved = flags.map((flag) => tf.env().getBool(flag));
-    if (tf.getBackend() !== "webgl" || saved.every(Boolean)) return f();
-    flags.forEach((flag) => tf.env().set(flag, true));
+    if (tf.getBackend() !== "webgl" || saved.every((v) => v === packed)) return f();
+    flags.forEach((flag) => tf.env().set(flag, packed));
     try {
       return f();
     } finally {
       flags.forEach((flag, i) => tf.env().set(flag, saved[i]));
     }
+  }
+
+  // f() with WebGL's packed elementwise kernels, for work that cannot spoil a padding lane: inputs with clean
+  // lanes (what matmuls, convolutions, sums and uploads leave) and no broadcast but of scalars, f(0, 0) = 0.
+  // optim.js updates weights so: a weight then stays in the packed layout its matmul reads, instead of
+  // being unpacked for the update and packed again for the next forward, whole, every step.
+  const withPackedElementwise = (f) => withElementwise(true, f);
+
+  // The WebGL kernels that sum packed lanes (TF.js 4.22, tfjs-backend-webgl/src): whether the sum is safe.
+  // - BatchMatMul (mulmat_packed_gpu) sums the shared dimension. A step's backward runs its own products
+  //   (dy @ w^T sums the output width, x^T @ dy the rows), which dispatch as BatchMatMul too.
+  // - Conv2D: a 1x1 stride-1 unpadded convolution is a product summing C_in (conv2dByMatMul); any other is
+  //   im2col x reshaped filter, summing kh*kw*C_in. There both operands' padding lanes on that dimension are
+  //   exact zeros whatever the inputs hold: Im2ColPackedProgram writes 0 outside its shape, and when kh*kw
+  //   and C_in are odd the filter's reshape to [kh*kw*C_in, C_out] is not free (isReshapeFree), so
+  //   ReshapePackedProgram (or PackProgram, for an unpacked filter) writes it, zeros in the padding too.
+  //   (WEBGL_EXP_CONV's packed convolution would be another matter; it is off by default.)
+  // - Conv2DBackpropInput (conv_backprop_packed_gpu: input gradients, conv_transpose2d) sums dy's channels.
+  const LANE_SUMS = {
+    BatchMatMul: ({ a }, { transposeA }) => even(a.shape[a.rank - (transposeA ? 2 : 1)]),
+    _FusedMatMul: ({ a }, { transposeA }) => even(a.shape[a.rank - (transposeA ? 2 : 1)]),
+    Conv2D: ({ filter }) => {
+      const [kh, kw, cin] = filter.shape;
+      return even(kh * kw * cin) || (kh * kw > 1 && !tf.env().getBool("WEBGL_EXP_CONV"));
+    },
+    Conv2DBackpropInput: ({ filter }) => even(filter.shape[3]),
+  };
+  // Kernels that also sum lanes (depthwise and fused convolutions, LRN, argmax): the interpreter runs none,
+  // so they simply count as unsafe.
+  const OTHER_LANE_SUMS = new Set([
+    "FusedConv2D", "DepthwiseConv2dNative", "FusedDepthwiseConv2D", "DepthwiseConv2dNativeBackpropInput",
+    "DepthwiseConv2dNativeBackpropFilter", "LRN", "LRNGrad", "ArgMax", "ArgMin",
+  ]);
+
+  // Pooling has only unpacked WebGL kernels: in a packed step its inputs are unpacked and its gradients
+  // packed again, whole activations each time. A CNN with max pools ran 8% slower packed than unpacked
+  // (benchmarks/engine, both in one page), nanoGPT 18% faster, an MLP and a pooled 1-D CNN alike: steps
+  // that pool stay unpacked.
+  const POOLS = new Set(["MaxPool", "AvgPool"]);
+
+  // Runs f (unpacked) and notes whether every kernel it dispatches, gradients included (every op goes
+  // through the engine's runKernel), sums lanes only where that is safe, and whether none pools:
+  // {result, safe}, safe meaning both.
+  function auditLaneSums(f) {
+    const engine = tf.engine(), runKernel = engine.runKernel;
+    let safe = true;
+    engine.runKernel = function (name, inputs, attrs) {
+      const check = LANE_SUMS[name];
+      if (check ? !check(inputs, attrs || {}) : OTHER_LANE_SUMS.has(name) || POOLS.has(name)) safe = false;
+      return runKernel.apply(this, arguments);
+    };
+    try {
+      const result = withElementwise(false, f);
+      return { result, safe };
+    } finally {
+      engine.runKernel = runKernel;
+    }
+  }
+
+  // Per model: the verdict for each kind of step (key: what is computed and every shape fed; the graph fixes
+  // the rest, so the same key runs the same kernels on the same shapes), whether a step ever ran packed, and
+  // how many steps ran each way (tests read them through packingStats).
+  const PACKING = new WeakMap();
+  function packingOf(model) {
+    if (!PACKING.has(model)) PACKING.set(model, { verdicts: new Map(), dirty: false, packed: 0, unpacked: 0 });
+    return PACKING.get(model);
+  }
+
+  const shapesKey = (tensors) =>
+    Object.keys(tensors).sort().map((n) => `${n}:${tensors[n].dtype}[${tensors[n].shape}]`).join(" ");
+
+  // f(), one step of `model`, with packed elementwise kernels where its kind of step was found safe. The
+  // first step of a kind runs unpacked and is audited. A packed step may leave anything in the padding lanes
+  // of the weights, and the optimizer's state carries them on (optim.js updates packed), so once a model
+  // has run packed, an unpacked step first rewrites its params and buffers with clean lanes (scrub).
+  function packedSteps(model, key, f) {
+    if (tf.getBackend() !== "webgl") return f();
+    const state = packingOf(model);
+    const verdict = state.verdicts.get(key);
+    if (verdict) {
+      state.dirty = true;
+      state.packed++;
+      return withElementwise(true, f);
+    }
+    if (state.dirty) scrub(model);
+    state.unpacked++;
+    if (verdict === false) return withElementwise(false, f);
+    const { result, safe } = auditLaneSums(f);
+    state.verdicts.set(key, safe);
+    return result;
+  }
+
+  // x * 1 is exact, and unpacked: the copy has no padding lanes (a matmul packs it anew, zeros in them).
+  function scrub(model) {
+    withElementwise(false, () => {
+      for (const v of [...Object.values(model.params), ...Object.values(model.buffers)]) {
+        const clean = tf.tidy(() => tf.mul(v, 1));
+        v.assign(clean);
+        clean.dispose();
+      }
+    });
+  }
+
+  // {packed, unpacked}: how many steps of `model` ran each way.
+  function packingStats(model) {
+    const { packed, unpacked } = packingOf(model);
+    return { packed, unpacked };
   }
 
   // weights: decoded safetensors {name: {shape, data}} (codecs.decode). Set the backend first.
@@ -633,12 +752,12 @@
   // ({name: tf.Tensor}): a pipeline forward unit reports them and leaves the cached model unchanged.
   function forward(model, feeds, { training = false, seed, update = true } = {}) {
     let updates = [];
-    const result = tf.tidy(() => {
+    const result = packedSteps(model, `forward ${training} ${shapesKey(feeds)}`, () => tf.tidy(() => {
       const r = run(model, feeds, training, seed);
       updates = r.updates;
       updates.forEach(([, t]) => tf.keep(t));
       return r.loss ? { output: r.output, loss: r.loss } : { output: r.output };
-    });
+    }));
     if (update) applyUpdates(model, updates);
     else result.buffers = lastUpdates(updates);
     return result;
@@ -660,12 +779,12 @@
     const names = Object.keys(model.params);
     const vars = names.map((n) => model.params[n]);
     let updates = [];
-    const { value, grads } = tf.variableGrads(() => {
+    const { value, grads } = packedSteps(model, `gradients ${training} ${shapesKey(feeds)}`, () => tf.variableGrads(() => {
       const r = run(model, feeds, training);
       if (!r.loss) throw new Error("gradients need the graph's loss and its targets");
       updates = r.updates.map(([name, t]) => [name, tf.keep(t)]); // f runs inside a tidy
       return r.loss;
-    }, vars);
+    }, vars));
     applyUpdates(model, updates);
     const named = {};
     names.forEach((n, i) => { named[n] = grads[vars[i].name] || tf.zerosLike(vars[i]); });
@@ -693,9 +812,10 @@
       }
       return y;
     };
+    const key = `backpropagate ${training} ${fromLoss} [${wrt}] [${dy.shape}] ${shapesKey(feeds)}`;
     let result;
     try {
-      result = xs.length ? tf.engine().gradients(f, xs, dy, true) : { value: tf.tidy(f), grads: [] };
+      result = packedSteps(model, key, () => (xs.length ? tf.engine().gradients(f, xs, dy, true) : { value: tf.tidy(f), grads: [] }));
     } catch (err) {
       tf.dispose(updates.map(([, t]) => t));
       throw err;
@@ -709,6 +829,7 @@
   }
 
   ns.runtime = {
-    createModel, forward, gradients, backpropagate, withPackedElementwise, OPS, LOSSES, SAFE_WEBGL_FLAGS,
+    createModel, forward, gradients, backpropagate, withPackedElementwise, packingStats, OPS, LOSSES,
+    SAFE_WEBGL_FLAGS,
   };
 })((self.crowdtrain = self.crowdtrain || {}));

@@ -68,7 +68,8 @@
   }
 
   // Local SGD steps through train.js on a fresh model. Also reports whether localSteps left the model as
-  // it found it (the worker reuses models across units) and how many tensors it leaked.
+  // it found it (the worker reuses models across units), how many tensors it leaked, and how many steps
+  // ran WebGL's packed elementwise kernels (runtime.js "packed textures").
   async function localSteps(graphJson, weightsB64, batchB64, batchSize, lr, momentum, codec) {
     const graph = ct.graph.load(graphJson);
     const weights = ct.codecs.decode(fromB64(weightsB64));
@@ -84,7 +85,8 @@
         const now = await v.data(), was = weights[name].data;
         for (let i = 0; i < now.length; i++) moved = Math.max(moved, Math.abs(now[i] - was[i]));
       }
-      return { delta: toB64(r.delta), loss: r.loss, samples: r.samples, leaked, moved };
+      const packing = ct.runtime.packingStats(model); // WebGL: steps run with packed elementwise kernels or not
+      return { delta: toB64(r.delta), loss: r.loss, samples: r.samples, leaked, moved, packing };
     } finally {
       model.dispose();
     }
