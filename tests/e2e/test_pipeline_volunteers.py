@@ -26,6 +26,7 @@ import pytest
 from devstack.stack import PYTHON, ROOT, Stack
 from engine.graph import load_graph
 from engine.partition import MemoryModel, partition
+from tests.conftest import launch_options
 from tests.e2e.test_admin_models import admin_login, fill_settings
 from tests.e2e.test_volunteer_journey import sign_up
 from tests.integration.test_simulator import volunteer
@@ -236,7 +237,11 @@ def test_the_data_parallel_modes_refuse_a_model_over_the_budget(stack: Stack, br
 def test_two_browsers_and_a_simulated_volunteer_train_the_pipeline_peer_to_peer(
     stack: Stack, browser: Any
 ) -> None:
-    contexts = [browser.new_context(viewport={"width": 1280, "height": 900}) for _ in BROWSERS]
+    # Two volunteers are two machines: each its own Chromium, so its own GPU process. In one Chromium the two
+    # pages' WebGL workers (SwiftShader, in the GPU process they share) stopped together, mid-unit.
+    second = browser.browser_type.launch(**launch_options())
+    browsers = [browser, second]
+    contexts = [b.new_context(viewport={"width": 1280, "height": 900}) for b in browsers]
     pages = [context.new_page() for context in contexts]
     for page, name in zip(pages, BROWSERS, strict=True):
         page.on("console", lambda msg, n=name: CONSOLE.append(f"{n}: {msg.text}"))
@@ -303,3 +308,4 @@ def test_two_browsers_and_a_simulated_volunteer_train_the_pipeline_peer_to_peer(
     assert through_server < 0.05 * relayed, (through_server, relayed)
     for context in contexts:
         context.close()
+    second.close()
