@@ -384,11 +384,16 @@ def test_batch_norm_statistics_train_like_torch_on_the_unsplit_model(
         torch.testing.assert_close(published[name], value, rtol=1e-5, atol=1e-5, msg=name)
 
 
-def without_buffers(result: Result) -> tuple[bytes, float]:
+def rewritten(result: Result, change: Callable[[dict[str, Any]], dict[str, Any]]) -> tuple[bytes, float]:
+    """The honest backward frame with its gradients and statistics passed through `change`."""
     payload, loss = honest(result)
     grad, tensors = stages.payload_split(payload)
-    kept = {k: v for k, v in codecs.decode(tensors)[0].items() if "running" not in k}
-    return stages.backward_payload(input_grad=grad, grads=codecs.encode(kept, "fp32")), loss
+    changed = change(codecs.decode(tensors)[0])
+    return stages.backward_payload(input_grad=grad, grads=codecs.encode(changed, "fp32")), loss
+
+
+def without_buffers(result: Result) -> tuple[bytes, float]:
+    return rewritten(result, lambda tensors: {k: v for k, v in tensors.items() if "running" not in k})
 
 
 def test_a_backward_result_without_its_stages_statistics_is_invalid(
@@ -403,13 +408,12 @@ def test_a_backward_result_without_its_stages_statistics_is_invalid(
 
 def stale_buffers(result: Result) -> tuple[bytes, float]:
     """The statistics the unit was sent, as a volunteer that dropped its forward's updates would report."""
-    payload, loss = honest(result)
-    grad, tensors = stages.payload_split(payload)
     sent = result.work_unit.stage_weights
     assert sent is not None
     before = codecs.decode(sent.read())[0]
-    stale = {k: before[k] if "running" in k else v for k, v in codecs.decode(tensors)[0].items()}
-    return stages.backward_payload(input_grad=grad, grads=codecs.encode(stale, "fp32")), loss
+    return rewritten(
+        result, lambda tensors: {k: before[k] if "running" in k else v for k, v in tensors.items()}
+    )
 
 
 def test_a_backward_result_with_stale_statistics_fails_its_spot_check(
