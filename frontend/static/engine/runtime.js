@@ -49,10 +49,49 @@
 
   // TF.js conv2d has no `groups`: run one convolution per group.
   function groupedConv(xh, f, groups, strides, pad) {
-    if (groups === 1) return tf.conv2d(xh, f, strides, pad);
+    if (groups === 1) return convolve(xh, f, strides, pad);
     const xs = tf.split(xh, groups, 3);
     const fs = tf.split(f, groups, 3);
-    return tf.concat(xs.map((x, i) => tf.conv2d(x, fs[i], strides, pad)), 3);
+    return tf.concat(xs.map((x, i) => convolve(x, fs[i], strides, pad)), 3);
+  }
+
+  // TF.js 4.22's cpu Conv2D adds each product straight into its float32 output (tfjs-backend-cpu conv2D), so
+  // a 3x3x64 convolution rounds 576 times per value: 2-6x float32 PyTorch's error. Through a deep net that
+  // is enough to flip a ReLU: in torchvision's ResNet-18 (tests/browser/test_corpus.py) a layer1.1.bn1 output
+  // of -2.2e-6 in float64 came out +6e-8, and the gradient flowing through that one unit put
+  // layer1.1.conv1.weight's gradient 3.7% off float64. The cpu backend's matMul and both convolution
+  // gradients sum in float64 (JS numbers), so there the forward is im2col times the filter, one matMul, and
+  // the gradients are the usual kernels'. Other backends keep tf.conv2d.
+  function convolve(x, f, strides, pad) {
+    if (tf.getBackend() !== "cpu") return tf.conv2d(x, f, strides, pad);
+    return tf.customGrad((xs, fs, save) => {
+      save([xs, fs]);
+      const gradFunc = (dy, [xSaved, fSaved]) => [
+        tf.conv2dTranspose(dy, fSaved, xSaved.shape, strides, pad), // Conv2DBackpropInput, as tf.conv2d's
+        tf.engine().runKernel("Conv2DBackpropFilter", { x: xSaved, dy },
+          { strides, pad, dataFormat: "NHWC", filterShape: fSaved.shape }),
+      ];
+      return { value: im2colConv(xs, fs, strides, pad), gradFunc };
+    })(x, f);
+  }
+
+  // Convolution as one matMul of [N*OH*OW, kh*kw*C] patches (HWC order, the filter's HWIO order) by the
+  // filter reshaped [kh*kw*C, C_out]. pad is explicit [[0, 0], [top, bottom], [left, right], [0, 0]].
+  function im2colConv(x, f, [sh, sw], pad) {
+    const [kh, kw, cin, cout] = f.shape;
+    const xp = pad.some(([a, b]) => a || b) ? tf.pad(x, pad) : x;
+    const [n, h, w] = xp.shape;
+    const oh = Math.floor((h - kh) / sh) + 1, ow = Math.floor((w - kw) / sw) + 1;
+    const taps = [];
+    for (let i = 0; i < kh; i++) {
+      for (let j = 0; j < kw; j++) {
+        const end = [n, i + (oh - 1) * sh + 1, j + (ow - 1) * sw + 1, cin];
+        taps.push(tf.stridedSlice(xp, [0, i, j, 0], end, [1, sh, sw, 1]));
+      }
+    }
+    const patches = taps.length === 1 ? taps[0] : tf.concat(taps, 3);
+    const y = tf.matMul(patches.reshape([-1, kh * kw * cin]), f.reshape([kh * kw * cin, cout]));
+    return y.reshape([n, oh, ow, cout]);
   }
 
   // Zero padding goes to the conv kernel itself (explicit padding): a separate tf.pad would cost a
