@@ -29,20 +29,7 @@ ZOO_SLOW = ["tv_resnet18", "tv_efficientnet_b0", "timm_convnext_atto", "timm_res
 # TF.js 4.22's WebGL backend fails to compile a fragment shader for one of MobileViT's kernels (open: which
 # one); the CPU backend trains it within tolerance.
 MOBILEVIT_WEBGL = pytest.mark.xfail(strict=True, reason="TF.js WebGL: 'Failed to compile fragment shader'")
-# Open: on TF.js 4.22's cpu backend, torchvision's ResNet-18 trains with gradients up to 3.7% off float64
-# (layer1.1.conv1.weight; conv1.weight 0.6%) while its forward output is within 4e-6 and WebGL's gradients
-# within 1.7e-5, float32 PyTorch's 1.3e-5 on this machine (an AMD EPYC). It passed on earlier machines,
-# presumably where float32 PyTorch's own error, which sets the bound, was larger. The CIFAR preset is exact.
-RESNET18_CPU = pytest.mark.xfail(
-    strict=True, reason="TF.js cpu backend: ResNet-18 gradients 3.7% off float64"
-)
-ZOO_SLOW_CASES = [
-    (name, backend)
-    if (name, backend) != ("tv_resnet18", "cpu")
-    else pytest.param(name, backend, marks=RESNET18_CPU)
-    for name in ZOO_SLOW
-    for backend in ("webgl", "cpu")
-] + [
+ZOO_SLOW_CASES = [(name, backend) for name in ZOO_SLOW for backend in ("webgl", "cpu")] + [
     ("timm_mobilevit_xxs", "cpu"),
     pytest.param("timm_mobilevit_xxs", "webgl", marks=MOBILEVIT_WEBGL),
 ]
