@@ -1,7 +1,8 @@
 """Browser kernels whose results are random, checked by their structure rather than against PyTorch's draws:
 dropout2d keeps or drops whole channels (one draw per sample and channel, both on NCHW values and on the
 NHWC ones convolutions leave) and scales what it keeps by 1 / (1 - p); at p = 1 it drops everything.
-drop_path (stochastic depth) does the same per sample. And expand (a ViT's class token), against PyTorch."""
+drop_path (stochastic depth) does the same per sample. And expand (a ViT's class token), against PyTorch; and the
+cpu backend's convolution, against float64."""
 
 from __future__ import annotations
 
@@ -125,3 +126,23 @@ def test_expand_matches_pytorch(harness: Any, backend: str) -> None:
     """Forward and the gradient of the expanded parameter (summed over the batch) as PyTorch's."""
     g = expand_graph()
     run_case(harness, backend, "expand", g, graphs.init_weights(g, seed=3), n=4)
+
+
+def long_sum_conv_graph() -> graphs.Graph:
+    """One 3x3 convolution over 1024 channels: each output sums 9216 products."""
+    nodes = [node("c", "conv2d", ["x", "w", None], padding=1)]
+    inputs, targets = [spec("x", [-1, 1024, 4, 4])], [spec("y", [-1, 2, 4, 4])]
+    return graphs.graph("long_sum", inputs, targets, [spec("w", [2, 1024, 3, 3])], [], nodes, "c", "mse")
+
+
+def test_cpu_conv2d_sums_as_precisely_as_its_gradients(harness: Any) -> None:
+    """TF.js 4.22's cpu Conv2D rounds every product into its float32 output: positive terms put it 3e-6 off
+    float64 here, and 3.5e-6 of such error through ResNet-18 once flipped a ReLU (runtime.js, convolve).
+    The engine's convolution sums in float64 within matMul's blocks, as the cpu gradients do."""
+    g = long_sum_conv_graph()
+    gen = torch.Generator().manual_seed(4)
+    weights = {"w": torch.rand(2, 1024, 3, 3, generator=gen)}
+    batch = {"x": torch.rand(2, 1024, 4, 4, generator=gen), "y": torch.zeros(2, 2, 4, 4)}
+    got = browser_run(harness, "cpu", g, weights, batch)["output"]
+    exact = F.conv2d(batch["x"].double(), weights["w"].double(), padding=1)
+    assert float(((got.double() - exact).abs() / exact.abs()).max()) < 1e-6

@@ -26,8 +26,10 @@
     return tf.transpose(x, perm);
   }
 
-  const toNHWC = (x) => permute(x, [0, 2, 3, 1]);
-  const toNCHW = (x) => permute(x, [0, 3, 1, 2]);
+  // Channels last at any rank from 3: NCHW <-> NHWC, and NCL <-> NLC (a conv1d's [N, C, 1, L] viewed 3-D).
+  const range = (a, b) => Array.from({ length: b - a }, (_, i) => a + i);
+  const toNHWC = (x) => permute(x, [0, ...range(2, x.rank), 1]);
+  const toNCHW = (x) => permute(x, [0, x.rank - 1, ...range(1, x.rank - 1)]);
 
   // ---- convolution and pooling ------------------------------------------------------------------
   // TF.js has no gradient for dilated conv2d, so dilate the kernel itself (zeros between taps);
@@ -396,9 +398,10 @@
   // with a zero row of w, and the product sliced back: the backward product dy @ w then sums an even
   // dimension, all real lanes, so the step may run packed ("packed textures" below); the slice's gradient
   // pads dy with real zeros. The sums are those of the unpadded product: its padding lane held 0 * 0 too.
+  // Not in a step known to run unpacked (a step that pools, say): there the padding would only cost kernels.
   function linearProduct(x, w) {
     const n = w.shape[0];
-    if (even(n) || tf.getBackend() !== "webgl") return tf.matMul(x, w, false, true);
+    if (even(n) || tf.getBackend() !== "webgl" || knownUnpacked) return tf.matMul(x, w, false, true);
     const y = tf.matMul(x, tf.pad(w, [[0, 1], [0, 0]]), false, true);
     return tf.slice(y, [0, 0], [-1, n]);
   }
@@ -679,10 +682,22 @@
     }
     if (state.dirty) scrub(model);
     state.unpacked++;
-    if (verdict === false) return withElementwise(false, f);
+    if (verdict === false) return unpackedStep(f);
     const { result, safe } = auditLaneSums(f);
     state.verdicts.set(key, safe);
     return result;
+  }
+
+  // Whether the step running is one packedSteps knows to run unpacked (linearProduct reads it).
+  let knownUnpacked = false;
+  function unpackedStep(f) {
+    const outer = knownUnpacked;
+    knownUnpacked = true;
+    try {
+      return withElementwise(false, f);
+    } finally {
+      knownUnpacked = outer;
+    }
   }
 
   // x * 1 is exact, and unpacked: the copy has no padding lanes (a matmul packs it anew, zeros in them).
@@ -730,6 +745,31 @@
   const NHWC_POOLS = { max_pool2d: poolNHWC("max"), avg_pool2d: poolNHWC("avg") };
   const isGlobalPool = (a) => { const [h, w] = pair(a.output_size); return h === 1 && w === 1; };
 
+  // The graph's shape for a channels-last value [N, ...spatial, C].
+  const graphShape = (t) => [t.shape[0], t.shape[t.rank - 1], ...t.shape.slice(1, -1)];
+
+  // A reshape that keeps N and C and only adds or drops spatial axes of size 1 (how a conv1d is lowered to
+  // conv2d and back: [N, C, L] <-> [N, C, 1, L]) moves no data in channels-last form either: [N, L, C] <->
+  // [N, 1, L, C], a free reshape where the graph's layout would cost a transpose each way. Else null.
+  function channelsLastReshape(shape, xcl) {
+    const from = graphShape(xcl);
+    const known = prod(shape.filter((d) => d !== -1));
+    const to = shape.map((d) => (d === -1 ? xcl.size / known : d));
+    const spatial = (s) => s.slice(2).filter((d) => d !== 1).join(",");
+    const keeps = to.length >= 3 && to[0] === from[0] && to[1] === from[1] && spatial(to) === spatial(from);
+    return keeps ? ([x]) => x.reshape([to[0], ...to.slice(2), to[1]]) : null;
+  }
+
+  // reduce_mean / reduce_sum over spatial axes only (global average pooling written x.mean(-1) or
+  // x.mean((2, 3))), read channels last: the result stays so ([N, C] reads the same either way).
+  function spatialReduce(node, xcl) {
+    const { dims, keepdim } = node.attrs;
+    const axes = dims.map((d) => axis(d, xcl.rank));
+    if (!axes.length || axes.some((d) => d < 2)) return null;
+    const fn = node.op === "reduce_mean" ? tf.mean : tf.sum;
+    return ([x]) => fn(x, axes.map((d) => d - 1), keepdim);
+  }
+
   // The NHWC implementation of `node` given which values have an NHWC form (`nhwc`), else null.
   // Which inputs it reads NHWC: the first, and for binary ops both (same shapes: no broadcasting).
   function nhwcKernel(node, nhwc) {
@@ -738,11 +778,13 @@
     if (node.op === "conv_transpose2d") return convTransposeNHWC;
     if (first === null || !nhwc.has(first)) return null;
     if (UNARY.has(node.op)) return OPS[node.op];
-    if (node.op === "batch_norm") return (args, a, ctx) => batchNormAt(args, a, ctx, 3);
-    if (node.op === "dropout2d") return (args, a, ctx) => dropout2dAt(args, a, ctx, 3);
+    if (node.op === "batch_norm") return (args, a, ctx) => batchNormAt(args, a, ctx, args[0].rank - 1);
+    if (node.op === "dropout2d") return (args, a, ctx) => dropout2dAt(args, a, ctx, args[0].rank - 1);
+    if (node.op === "reshape") return channelsLastReshape(node.attrs.shape, nhwc.get(first));
+    if (node.op === "reduce_mean" || node.op === "reduce_sum") return spatialReduce(node, nhwc.get(first));
     if (NHWC_POOLS[node.op]) return NHWC_POOLS[node.op];
     if (node.op === "adaptive_avg_pool2d" && isGlobalPool(node.attrs || {})) return ([x]) => tf.mean(x, [1, 2], true);
-    const sameShape = (p, q) => p.shape.every((d, i) => d === q.shape[i]);
+    const sameShape = (p, q) => p.rank === q.rank && p.shape.every((d, i) => d === q.shape[i]);
     if (BINARY.has(node.op) && nhwc.has(second) && sameShape(nhwc.get(first), nhwc.get(second))) return OPS[node.op];
     return null;
   }
@@ -769,8 +811,8 @@
       const kernel = nhwcKernel(node, nhwc);
       const channelsLast = (i) => kernel && (i === 0 || BINARY.has(node.op));
       const args = node.inputs.map((name, i) => (name === null ? null : channelsLast(i) ? getNHWC(name) : get(name)));
-      if (kernel) nhwc.set(node.name, kernel(args, node.attrs || {}, ctx));
-      else env.set(node.name, OPS[node.op](args, node.attrs || {}, ctx));
+      const y = (kernel || OPS[node.op])(args, node.attrs || {}, ctx);
+      (kernel && y.rank >= 3 ? nhwc : env).set(node.name, y); // [N, C] reads the same either way
     }
     const lossSpec = model.graph.loss;
     const lossInputs = lossSpec ? lossSpec.inputs.filter((name) => name !== null) : [];
