@@ -57,15 +57,20 @@
     return tf.concat(xs.map((x, i) => convolve(x, fs[i], strides, pad)), 3);
   }
 
+  const PRECISE_SUM_TERMS = 256;
+
   // TF.js 4.22's cpu Conv2D adds each product straight into its float32 output (tfjs-backend-cpu conv2D), so
   // a 3x3x64 convolution rounds 576 times per value: 2-6x float32 PyTorch's error. Through a deep net that
   // is enough to flip a ReLU: in torchvision's ResNet-18 (tests/browser/test_corpus.py) a layer1.1.bn1 output
   // of -2.2e-6 in float64 came out +6e-8, and the gradient flowing through that one unit put
   // layer1.1.conv1.weight's gradient 3.7% off float64. The cpu backend's matMul and both convolution
   // gradients sum in float64 (JS numbers), so there the forward is im2col times the filter, one matMul, and
-  // the gradients are the usual kernels'. Other backends keep tf.conv2d.
+  // the gradients are the usual kernels'. That costs copies (a small CNN's step ran 20-30% slower on cpu,
+  // benchmarks/engine), so only sums of PRECISE_SUM_TERMS or more products (kh*kw*C_in) take it: shorter
+  // ones rounded as float32 PyTorch did (ResNet-18's 147-term conv1: 4.7e-7 both). Other backends keep tf.conv2d.
   function convolve(x, f, strides, pad) {
-    if (tf.getBackend() !== "cpu") return tf.conv2d(x, f, strides, pad);
+    const [kh, kw, cin] = f.shape;
+    if (tf.getBackend() !== "cpu" || kh * kw * cin < PRECISE_SUM_TERMS) return tf.conv2d(x, f, strides, pad);
     return tf.customGrad((xs, fs, save) => {
       save([xs, fs]);
       const gradFunc = (dy, [xSaved, fSaved]) => [
