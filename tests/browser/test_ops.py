@@ -1,8 +1,8 @@
 """Browser kernels whose results are random, checked by their structure rather than against PyTorch's draws:
 dropout2d keeps or drops whole channels (one draw per sample and channel, both on NCHW values and on the
 NHWC ones convolutions leave) and scales what it keeps by 1 / (1 - p); at p = 1 it drops everything.
-drop_path (stochastic depth) does the same per sample. And expand (a ViT's class token), against PyTorch; and the
-cpu backend's convolution, against float64."""
+drop_path (stochastic depth) does the same per sample. And expand (a ViT's class token), against PyTorch;
+and the cpu backend's convolution, against float64."""
 
 from __future__ import annotations
 
