@@ -2,7 +2,7 @@
 dropout2d keeps or drops whole channels (one draw per sample and channel, both on NCHW values and on the
 NHWC ones convolutions leave) and scales what it keeps by 1 / (1 - p); at p = 1 it drops everything.
 drop_path (stochastic depth) does the same per sample. And expand (a ViT's class token), against PyTorch;
-and the cpu backend's convolution, against float64."""
+and the cpu backend's convolution, against float64; and what a Conv1d net transposes."""
 
 from __future__ import annotations
 
@@ -13,10 +13,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from engine.export import export_module
 from tests.browser import graphs
 from tests.browser.graphs import node, spec
 from tests.browser.parity import b64
 from tests.browser.test_parity import BACKENDS, browser_run, run_case
+from tests.engine.corpus import CORPUS
 
 pytestmark = pytest.mark.browser
 
@@ -146,3 +148,46 @@ def test_cpu_conv2d_sums_as_precisely_as_its_gradients(harness: Any) -> None:
     got = browser_run(harness, "cpu", g, weights, batch)["output"]
     exact = F.conv2d(batch["x"].double(), weights["w"].double(), padding=1)
     assert float(((got.double() - exact).abs() / exact.abs()).max()) < 1e-6
+
+
+COUNT_TRANSPOSES = """async ([g, w, b]) => {
+  const ct = self.crowdtrain, decode = (s) => ct.codecs.decode(harnessB64.fromB64(s));
+  const [weights, batch] = [decode(w), decode(b)];
+  const model = ct.runtime.createModel(ct.graph.load(g), weights);
+  const x = tf.tensor(batch.x.data, batch.x.shape, "float32");
+  const y = tf.tensor(Int32Array.from(batch.y.data), batch.y.shape, "int32");
+  const engine = tf.engine(), runKernel = engine.runKernel, sizes = [];
+  engine.runKernel = function (name, inputs) {
+    if (name === "Transpose") sizes.push(inputs.x.size);
+    return runKernel.apply(this, arguments);
+  };
+  try {
+    const r = ct.runtime.gradients(model, { x, y });
+    await r.loss.data();
+    tf.dispose([r.loss, ...Object.values(r.grads)]);
+  } finally {
+    engine.runKernel = runKernel;
+    tf.dispose([x, y]);
+    model.dispose();
+  }
+  return sizes;
+}"""
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_conv1d_net_transposes_no_activation(harness: Any, backend: str) -> None:
+    """A Conv1d net (lowered to reshape, conv2d, reshape) with batch norm, pooling and a mean over time runs
+    channels last from its first convolution on: a training step transposes the input and the filters
+    (forward, and their gradients back), never an activation or its gradient."""
+    torch.manual_seed(0)
+    model = CORPUS["timeseries_cnn"]
+    g, weights = export_module(model.build(), model.input_shape, loss=model.loss())
+    gen = torch.Generator().manual_seed(1)
+    batch = {
+        "x": torch.randn(8, *model.input_shape, generator=gen),
+        "y": torch.randint(0, 5, (8,), generator=gen),
+    }
+    assert harness.evaluate("b => harness.useBackend(b)", backend) == backend
+    sizes = harness.evaluate(COUNT_TRANSPOSES, [json.dumps(g), b64(weights), b64(batch)])
+    filters = sorted(t.numel() for name, t in weights.items() if t.dim() == 3)
+    assert sorted(sizes) == sorted([batch["x"].numel(), *filters, *filters])
