@@ -58,6 +58,14 @@
   }
 
   const PRECISE_SUM_TERMS = 256;
+  const PATCH_ELEMENTS = 1 << 25; // im2col's patches: 128 MB of float32 at most, else tf.conv2d
+
+  // Whether convolve (below) takes the float64-summing path: on cpu, for long sums, within PATCH_ELEMENTS.
+  function preciseConv([n, h, w], [kh, kw, cin], [sh, sw], [, [top, bottom], [left, right]]) {
+    if (tf.getBackend() !== "cpu" || kh * kw * cin < PRECISE_SUM_TERMS) return false;
+    const oh = Math.floor((h + top + bottom - kh) / sh) + 1, ow = Math.floor((w + left + right - kw) / sw) + 1;
+    return n * oh * ow * kh * kw * cin <= PATCH_ELEMENTS;
+  }
 
   // TF.js 4.22's cpu Conv2D adds each product straight into its float32 output (tfjs-backend-cpu conv2D), so
   // a 3x3x64 convolution rounds 576 times per value: 2-6x float32 PyTorch's error. Through a deep net that
@@ -69,8 +77,7 @@
   // benchmarks/engine), so only sums of PRECISE_SUM_TERMS or more products (kh*kw*C_in) take it: shorter
   // ones rounded as float32 PyTorch did (ResNet-18's 147-term conv1: 4.7e-7 both). Other backends keep tf.conv2d.
   function convolve(x, f, strides, pad) {
-    const [kh, kw, cin] = f.shape;
-    if (tf.getBackend() !== "cpu" || kh * kw * cin < PRECISE_SUM_TERMS) return tf.conv2d(x, f, strides, pad);
+    if (!preciseConv(x.shape, f.shape, strides, pad)) return tf.conv2d(x, f, strides, pad);
     return tf.customGrad((xs, fs, save) => {
       save([xs, fs]);
       const gradFunc = (dy, [xSaved, fSaved]) => [
