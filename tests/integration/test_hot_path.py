@@ -143,6 +143,27 @@ def test_crowd_averaging_units_take_target_seconds_on_the_device(mlp_project: Pr
     assert project.current_version().round_target == 4 * min(fits, shard_samples)
 
 
+def test_crowd_averaging_sizes_each_unit_for_its_own_device(mlp_project: Project) -> None:
+    """Speeds spread 10x: each device's unit takes target_seconds on that device, not on the median one, so
+    the fast device is not left waiting for slow ones (the median's unit would be 60 samples for all)."""
+    Project.objects.filter(pk=mlp_project.pk).update(
+        mode="averaging", batch_size=10, round_samples=20, crowd_rounds=True, target_seconds=1
+    )
+    WorkUnit.objects.filter(project=mlp_project).delete()
+    fps = Project.objects.get(pk=mlp_project.pk).flops_per_sample
+    sizes = [200, 80, 40, 20]  # samples each device computes in 1 s; fastest asks first
+    users = [User.objects.create_user(f"spread-{size}") for size in sizes]
+    for user, size in zip(users, sizes, strict=True):
+        gflops = (size + 0.5) * fps / 1e9
+        device_register(
+            user=user, client_id=f"browser-{user.pk}", backend="wasm", gflops=gflops, user_agent=""
+        )
+    lifecycle.work_units_feed(project_id=mlp_project.pk)
+    served = [lifecycle.work_unit_assign(user=user, device=user.volunteer.devices.get()) for user in users]
+    assert [result.work_unit.count for result in served if result is not None] == sizes
+    assert mlp_project.current_version().round_target == sum(sizes)
+
+
 # --- indexes without statistics --------------------------------------------------------------------------
 
 
