@@ -23,6 +23,7 @@ from engine.graph import Graph, load_graph
 from engine.runtime import compute_gradients, local_steps
 from workers.simulator import Simulator, SimulatorConfig, Unit
 
+from . import fleet
 from .config import LOCAL_MINIBATCH, UNITS_PER_ROUND
 
 Tensors = dict[str, torch.Tensor]
@@ -48,10 +49,25 @@ def capacity(calibration: dict[str, float]) -> float:
     return min(calibration["gradient_64_gflops_total"], calibration["local_steps_3000_gflops_total"])
 
 
+def heterogeneous_top_gflops(capacity: float, volunteers: int) -> float:
+    """The fastest device of a heterogeneous fleet (fleet.speeds) of `volunteers`: the whole fleet emulates a
+    quarter of the machine's measured `capacity`, 2 digits. A quarter, not the homogeneous runs' half: every
+    result of a volunteer not trusted yet is recomputed on the server, and 64 threads share the cores."""
+    return float(f"{capacity / (4 * sum(fleet.speeds(volunteers, 1.0))):.2g}")
+
+
 def emulation(
-    calibration: dict[str, float], gflops: float | None, timeout: float | None, quick: bool
+    calibration: dict[str, float],
+    gflops: float | None,
+    timeout: float | None,
+    quick: bool,
+    heterogeneous_at: int = 0,
 ) -> Emulation:
-    """The device speed and run timeout: as given, or from the calibration."""
+    """The device speed (the top speed of a heterogeneous fleet of `heterogeneous_at`) and run timeout: as
+    given, or from the calibration."""
+    if heterogeneous_at:
+        top = gflops or heterogeneous_top_gflops(capacity(calibration), heterogeneous_at)
+        return Emulation(top, timeout or 900.0, calibration)
     gflops = gflops or emulated_gflops(capacity(calibration))
     # The runs' length scales with the emulated device time (600 s was plenty at 0.5 GFLOP/s).
     timeout = timeout or (240.0 if quick else 600.0) * max(1.0, 0.5 / gflops)
@@ -133,6 +149,8 @@ class Tally:
     weights_bytes: int = 0
     graph_bytes: int = 0
     units: list[UnitTiming] = field(default_factory=list)
+    # (start, stop) on the monotonic clock of each unit's emulated computation: the device's busy time
+    computing: list[tuple[float, float]] = field(default_factory=list)
 
 
 class CountingSimulator(Simulator):
@@ -142,9 +160,13 @@ class CountingSimulator(Simulator):
     def __init__(self, config: SimulatorConfig, graph_url: str) -> None:
         super().__init__(config, on_compute=self._computed)
         self.tally, self.graph_url = Tally(), graph_url
+        self.left_at: float | None = None  # when it left the run (churn), on the monotonic clock
 
     def _computed(self, unit: Unit, real_s: float, emulated_s: float) -> None:
+        """Called as the real computation ends; the device computes until its emulated time is up."""
         self.tally.units.append(UnitTiming(unit.samples, real_s, emulated_s))
+        started = time.monotonic() - real_s
+        self.tally.computing.append((started, started + max(real_s, emulated_s)))
 
     async def download(self, url: str) -> bytes:
         cached = self.cache.get(url) is not None
