@@ -24,7 +24,7 @@ from engine.runtime import compute_gradients, local_steps
 from workers.simulator import Simulator, SimulatorConfig, Unit
 
 from . import fleet
-from .config import LOCAL_MINIBATCH, UNITS_PER_ROUND
+from .config import LOCAL_MINIBATCH, SHARD_SAMPLES, TARGET_SECONDS, UNITS_PER_ROUND
 
 Tensors = dict[str, torch.Tensor]
 
@@ -49,11 +49,15 @@ def capacity(calibration: dict[str, float]) -> float:
     return min(calibration["gradient_64_gflops_total"], calibration["local_steps_3000_gflops_total"])
 
 
-def heterogeneous_top_gflops(capacity: float, volunteers: int) -> float:
-    """The fastest device of a heterogeneous fleet (fleet.speeds) of `volunteers`: the whole fleet emulates a
-    quarter of the machine's measured `capacity`, 2 digits. A quarter, not the homogeneous runs' half: every
-    result of a volunteer not trusted yet is recomputed on the server, and 64 threads share the cores."""
-    return float(f"{capacity / (4 * sum(fleet.speeds(volunteers, 1.0))):.2g}")
+def heterogeneous_top_gflops(calibration: dict[str, float], volunteers: int) -> float:
+    """The fastest device of a heterogeneous fleet (fleet.speeds) of `volunteers`, 2 digits: the speed whose
+    TARGET_SECONDS unit fills a shard (a unit never spans two, so a faster device would get a shorter unit
+    and wait), unless the whole fleet would then emulate more than a quarter of the machine's measured
+    capacity (not the homogeneous runs' half: every result of a volunteer not trusted yet is recomputed on
+    the server, and many threads share the cores)."""
+    fills = SHARD_SAMPLES * calibration["flops_per_sample"] / (TARGET_SECONDS * 1e9)
+    affordable = capacity(calibration) / (4 * sum(fleet.speeds(volunteers, 1.0)))
+    return float(f"{min(fills, affordable):.2g}")
 
 
 def emulation(
@@ -66,7 +70,7 @@ def emulation(
     """The device speed (the top speed of a heterogeneous fleet of `heterogeneous_at`) and run timeout: as
     given, or from the calibration."""
     if heterogeneous_at:
-        top = gflops or heterogeneous_top_gflops(capacity(calibration), heterogeneous_at)
+        top = gflops or heterogeneous_top_gflops(calibration, heterogeneous_at)
         return Emulation(top, timeout or 900.0, calibration)
     gflops = gflops or emulated_gflops(capacity(calibration))
     # The runs' length scales with the emulated device time (600 s was plenty at 0.5 GFLOP/s).
