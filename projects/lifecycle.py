@@ -249,7 +249,7 @@ def _stage_claimed(*, work_unit: WorkUnit, device_id: int | None) -> bool:
 def _send(
     *, work_unit: WorkUnit, samples: int, user: User, volunteer: Volunteer, device: Device | None
 ) -> Result:
-    speed = work_unit.project.work_unit_samples(gflops=device.speed_gflops()) if device else samples
+    speed = _device_samples(work_unit=work_unit, device=device) if device else samples
     _split_to_fit(work_unit=work_unit, samples=min(samples, speed))
     if device is not None:
         fitting.download_record(device=device, work_unit=work_unit)
@@ -262,6 +262,15 @@ def _send(
     )
     deadline = timezone.now() + timedelta(seconds=settings.CROWDTRAIN["WORK_UNIT_DEADLINE_SECONDS"])
     return _instance(work_unit=work_unit, user=user, device=device, deadline=deadline)
+
+
+def _device_samples(*, work_unit: WorkUnit, device: Device) -> int:
+    """What the device computes in the time a unit sent now should take (Project.unit_seconds)."""
+    project = work_unit.project
+    age = (timezone.now() - work_unit.version.created_at).total_seconds()
+    return project.work_unit_samples(
+        gflops=device.speed_gflops(), seconds=project.unit_seconds(round_age=age)
+    )
 
 
 def _instance(*, work_unit: WorkUnit, user: User, device: Device | None, deadline: datetime) -> Result:
