@@ -54,13 +54,15 @@ def churn(n: int, rate_per_hour: float, horizon_s: float, seed: int = 0) -> list
 
 def busy_fraction(intervals: list[tuple[float, float]], end: float) -> float | None:
     """Computing time over wall time from the first unit's start to `end` (intervals: (start, stop) of each
-    unit's emulated computation, clipped at `end`); None if the device never computed before `end`."""
-    starts = [start for start, _ in intervals if start < end]
-    if not starts:
+    unit's emulated computation, clipped at `end`, and at the next unit's start: a unit cancelled mid-way
+    stopped there); None if the device never computed before `end`."""
+    ordered = sorted((start, stop) for start, stop in intervals if start < end)
+    if not ordered:
         return None
-    first = min(starts)
-    busy = sum(min(stop, end) - start for start, stop in intervals if start < end)
-    return min(1.0, busy / (end - first)) if end > first else None
+    starts = [start for start, _ in ordered[1:]] + [end]
+    busy = sum(min(stop, end, after) - start for (start, stop), after in zip(ordered, starts, strict=True))
+    first = ordered[0][0]
+    return busy / (end - first) if end > first else None
 
 
 def busy_summary(fractions: list[float]) -> dict[str, float | int | None]:

@@ -27,8 +27,20 @@ the JSON): 16 volunteers together emulate half of it, and the other half is the 
 as fast relative to the server on any machine (0.5 GFLOP/s on one whose 2 cores give 20). Every work unit
 whose real compute took longer than its emulated time is counted and flagged in the output.
 
+Heterogeneous runs (--heterogeneous, issue 15 items 7 and 5; results in scaling-heterogeneous.json): 32 and 64
+volunteers whose speeds spread 10x (fleet.py: log-uniform between 0.1x and 1x of a top speed), 20% of them
+leaving mid-unit per hour of the run's clock and replaced by fresh ones, on the platform's crowd-sized
+averaging rounds (method avg_crowd: a unit per connected device, each taking target_seconds on that device;
+spot checks as in production). The top speed is the one whose target_seconds unit fills a 6,000-sample shard
+(a unit never spans two), lowered if the fleet would emulate over a quarter of the calibrated capacity. The
+speedup is over ONE volunteer of the fleet's mean speed computing the samples aggregated up to the target
+back to back with no network, server or waiting (runner.baseline): a lower bound on that volunteer's time
+on the same algorithm, measured from the run's own counts. Each device's busy fraction is its emulated
+compute time over its wall time from its first unit to the target (or its departure).
+
 Modules: config.py (constants, methods, options), emulation.py (device speed, the volunteers' accounts),
-runner.py (one run on the platform), report.py (table, plot, JSON), seed.py (the project, via Django).
+runner.py (one run on the platform), report.py (table, plot, JSON), seed.py (the project, via Django),
+fleet.py (the heterogeneous fleet: speeds, churn, busy fractions).
 """
 
 from __future__ import annotations

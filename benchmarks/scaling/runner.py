@@ -44,7 +44,7 @@ from .config import (
     Options,
     round_columns,
 )
-from .emulation import CountingSimulator, Emulation, totals, unit_timings, warm_up
+from .emulation import CountingSimulator, Emulation, share_parsed_shards, totals, unit_timings, warm_up
 from .seed import CONFIGURED, OPENED
 
 WORKERS = ("worker", "validator")  # the Celery workers' logs
@@ -417,6 +417,7 @@ def measure(stack: ScalingStack, method: Method, run: Plan, emulation: Emulation
         stack.start()
         evaluator = Evaluator(conn, stack.var_dir / "media" / "blobs", control.project_id)
         warm_up(evaluator.graph, evaluator.x, evaluator.y)
+        share_parsed_shards()
         volunteers = Fleet(stack.url, evaluator, run.speeds)
         race = Race(volunteers.volunteers())
         if run.departures:

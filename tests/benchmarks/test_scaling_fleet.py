@@ -57,6 +57,9 @@ def test_busy_fraction_counts_computing_time_from_the_first_unit_to_the_end() ->
     # a unit still running at the end counts up to the end only; the wait before the first unit never
     assert fleet.busy_fraction([(5.0, 9.0), (10.0, 30.0)], end=15.0) == pytest.approx(9 / 10)
     assert fleet.busy_fraction([(20.0, 30.0)], end=15.0) is None
+    # a unit cancelled mid-way (the round closed) stopped when the next one started
+    assert fleet.busy_fraction([(0.0, 40.0), (10.0, 20.0)], end=20.0) == pytest.approx(1.0)
+    assert fleet.busy_fraction([(10.0, 20.0), (0.0, 40.0)], end=30.0) == pytest.approx(20 / 30)
 
 
 def test_busy_summary_is_the_median_and_tenth_percentile() -> None:
