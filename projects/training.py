@@ -50,8 +50,8 @@ TRIM = 0.2
 # ResNet-18's are 90 MB): with several workers, a step on another process's version reads them instead.
 PUBLISHED_KEPT = 2
 # Of a crowd-sized averaging round's planned samples (round_close_samples). Its devices start computing 2-4 s
-# into a 40 s round (assignment, then the weights' download, measured at 64 volunteers: scaling-heterogeneous),
-# so by the deadline they have computed ~90% of the plan, and a 0.9 share waited 4-8 s for the last ones.
+# into a 40 s round (assignment, then the weights' download, measured with 64 volunteers in the heterogeneous
+# scaling benchmark), so by the deadline they computed ~90% of the plan: a 0.9 share waited 4-8 s more.
 CROWD_CLOSE_SHARE = 0.8
 
 
