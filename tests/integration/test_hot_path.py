@@ -192,14 +192,14 @@ def test_a_crowd_averaging_unit_ends_with_the_rounds_target_seconds(
 
 
 @pytest.mark.parametrize("crowd", [False, True])
-def test_a_crowd_averaging_round_closes_at_four_fifths_of_its_plan(mlp_project: Project, crowd: bool) -> None:
-    """Its units end together by design; the last fifth (late starters, a leaver's unit sent again) would
+def test_a_crowd_averaging_round_closes_at_nine_tenths_of_its_plan(mlp_project: Project, crowd: bool) -> None:
+    """Its units end together by design; the last tenth (late starters, a leaver's unit sent again) would
     hold every device of the round idle. Other rounds wait for all their samples."""
     Project.objects.filter(pk=mlp_project.pk).update(mode="averaging", crowd_rounds=crowd, round_samples=100)
     ModelVersion.objects.filter(pk=mlp_project.current_version().pk).update(round_target=100)
-    _pending_round(mlp_project, results=79)
+    _pending_round(mlp_project, results=89)
     assert training.round_ready(project_id=mlp_project.pk) is False
-    _pending_round(mlp_project, results=80)
+    _pending_round(mlp_project, results=90)
     assert training.round_ready(project_id=mlp_project.pk) is crowd
 
 
