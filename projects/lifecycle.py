@@ -107,9 +107,9 @@ def work_units_feed(*, project_id: int) -> int:
 def _round_plan(*, project: Project, version: ModelVersion) -> int:
     """Samples per work unit of the round fed now. A crowd-sized round (Project.crowd_rounds) has a work unit
     for every connected volunteer who may work, at least round_samples / batch_size of them: sync SGD shares
-    the researcher's target batch between them; averaging gives each unit target_seconds of local steps on
-    the median connected device, so the round grows with the crowd, and its target is fixed once, when first
-    fed (version.round_target), so that volunteers joining mid-round do not hold it open."""
+    the researcher's target batch between them; averaging gives each device a unit of target_seconds of
+    local steps on that device (_device_units), so the round grows with the crowd, and its target is fixed
+    once, when first fed (version.round_target), so that volunteers joining mid-round do not hold it open."""
     if not project.crowd_rounds or project.mode == Project.Mode.ASYNC_SGD:
         return project.batch_size
     speeds = _connected_speeds()
@@ -117,11 +117,22 @@ def _round_plan(*, project: Project, version: ModelVersion) -> int:
     if project.mode != Project.Mode.AVERAGING:
         # Sync keeps the researcher's round_samples as the live target, so a change mid-round still applies.
         return math.ceil(project.round_samples / units)
-    size = max(project.batch_size, project.work_unit_samples(gflops=median(speeds or [1.0])))
+    sizes = _device_units(project=project, speeds=speeds, units=units)
     if version.round_target is None:
-        version.round_target = units * size
+        version.round_target = sum(sizes)
         version.save(update_fields=["round_target"])
-    return size
+    return max(sizes)
+
+
+def _device_units(*, project: Project, speeds: list[float], units: int) -> list[int]:
+    """Samples of each of the round's `units`: one per connected device, taking target_seconds on that
+    device, so that a fleet whose speeds spread 10x finishes its round together (Hivemind's rule) instead of
+    fast devices waiting for slow ones given the median's unit. The feeder cuts units of the largest size and
+    _send gives each device the front that fits its speed. Units beyond the devices (one volunteer computes
+    several in turn) take the median device's size."""
+    sized = [max(project.batch_size, project.work_unit_samples(gflops=speed)) for speed in speeds]
+    typical = max(project.batch_size, project.work_unit_samples(gflops=median(speeds or [1.0])))
+    return sized + [typical] * (units - len(sized))
 
 
 def _connected_speeds() -> list[float]:
@@ -238,7 +249,7 @@ def _stage_claimed(*, work_unit: WorkUnit, device_id: int | None) -> bool:
 def _send(
     *, work_unit: WorkUnit, samples: int, user: User, volunteer: Volunteer, device: Device | None
 ) -> Result:
-    speed = work_unit.project.work_unit_samples(gflops=device.speed_gflops()) if device else samples
+    speed = _device_samples(work_unit=work_unit, device=device) if device else samples
     _split_to_fit(work_unit=work_unit, samples=min(samples, speed))
     if device is not None:
         fitting.download_record(device=device, work_unit=work_unit)
@@ -251,6 +262,15 @@ def _send(
     )
     deadline = timezone.now() + timedelta(seconds=settings.CROWDTRAIN["WORK_UNIT_DEADLINE_SECONDS"])
     return _instance(work_unit=work_unit, user=user, device=device, deadline=deadline)
+
+
+def _device_samples(*, work_unit: WorkUnit, device: Device) -> int:
+    """What the device computes in the time a unit sent now should take (Project.unit_seconds)."""
+    project = work_unit.project
+    age = (timezone.now() - work_unit.version.created_at).total_seconds()
+    return project.work_unit_samples(
+        gflops=device.speed_gflops(), seconds=project.unit_seconds(round_age=age)
+    )
 
 
 def _instance(*, work_unit: WorkUnit, user: User, device: Device | None, deadline: datetime) -> Result:

@@ -297,10 +297,21 @@ class Project(models.Model):
     def current_version(self) -> ModelVersion:
         return self.versions.order_by("-number").first()  # type: ignore[return-value]
 
-    def work_unit_samples(self, *, gflops: float) -> int:
-        """Samples a device of `gflops` computes in about `target_seconds` (1 to max_unit_samples)."""
-        fits = int(self.target_seconds * gflops * 1e9 / max(self.flops_per_sample, 1))
+    def work_unit_samples(self, *, gflops: float, seconds: float | None = None) -> int:
+        """Samples a device of `gflops` computes in about `seconds` (default `target_seconds`; 1 to
+        max_unit_samples)."""
+        seconds = self.target_seconds if seconds is None else seconds
+        fits = int(seconds * gflops * 1e9 / max(self.flops_per_sample, 1))
         return max(1, min(self.max_unit_samples, fits))
+
+    def unit_seconds(self, *, round_age: float) -> float:
+        """How long a work unit sent `round_age` seconds into its round should take: target_seconds, except in
+        a crowd-sized averaging round while its target_seconds run, where a unit ends with them (at least a
+        quarter of them from now), so that devices that started late or came back for more finish with the
+        others rather than hold the round."""
+        if not (self.crowd_rounds and self.mode == self.Mode.AVERAGING) or round_age >= self.target_seconds:
+            return float(self.target_seconds)
+        return max(self.target_seconds / 4, self.target_seconds - round_age)
 
     @property
     def max_unit_samples(self) -> int:

@@ -263,17 +263,28 @@ def _norm(update: Tensors) -> float:
 
 
 def _norm_problem(*, result: Result, norm: float) -> str | None:
+    project = result.work_unit.project
     norms = (
-        Result.objects.filter(work_unit__project=result.work_unit.project, validation=Result.Validation.VALID)
+        Result.objects.filter(work_unit__project=project, validation=Result.Validation.VALID)
         .exclude(update_norm=None)
         .order_by("-pk")
-        .values_list("update_norm", flat=True)[:NORM_HISTORY]
+        .values_list("update_norm", "samples")[:NORM_HISTORY]
     )
-    recent = [n for n in norms if n is not None]
+    recent = [_per_step(n, project=project, samples=samples) for n, samples in norms if n is not None]
     result.update_norm = norm
-    if len(recent) < 5 or norm <= NORM_OUTLIER_FACTOR * median(recent):
+    mine = _per_step(norm, project=project, samples=result.samples)
+    if len(recent) < 5 or mine <= NORM_OUTLIER_FACTOR * median(recent):
         return None
-    return f"update norm {norm:.3g} is over {NORM_OUTLIER_FACTOR:g}x the recent median {median(recent):.3g}"
+    return f"update norm {mine:.3g} is over {NORM_OUTLIER_FACTOR:g}x the recent median {median(recent):.3g}"
+
+
+def _per_step(norm: float, *, project: Project, samples: int) -> float:
+    """A local-steps update (averaging) grows with its steps, and crowd rounds size units per device: a fast
+    device's holds 10x the steps of a slow one's, which is no outlier. Compared per local step, a scaled
+    update still is. A gradient is a mean over its batch: its norm does not grow with the batch."""
+    if project.task != "local_steps":
+        return norm
+    return norm / max(1, math.ceil(samples / project.local_batch_size))
 
 
 def _spot_check(*, result: Result, update: Tensors) -> str | None:

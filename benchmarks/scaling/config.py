@@ -20,6 +20,11 @@ UNITS_PER_ROUND = 16
 LOCAL_MINIBATCH = 64
 PASSWORD = "h10-scaling-volunteer-pass"
 GOAL_SPEEDUP, GOAL_BYTES = 10.0, 0.02
+# The heterogeneous runs (issue 15 items 7 and 5): speedup over one volunteer of the fleet's mean speed at 64
+# volunteers, and the share of its wall time a device computes.
+GOAL_HETERO_SPEEDUP, GOAL_HETERO_AT, GOAL_BUSY = 48.0, 64, 0.95
+CHURN_PER_HOUR = 0.2
+TARGET_SECONDS = 40  # the crowd method's work units take this long on each device
 
 
 @dataclass(frozen=True)
@@ -29,6 +34,17 @@ class Method:
     settings: dict[str, Any]  # project columns
     why: str
 
+
+METHODS_AVG_SETTINGS: dict[str, Any] = {
+    "mode": "averaging",
+    "codec": "int8",
+    "weights_codec": "int8",
+    "learning_rate": 1.0,
+    "momentum": 0.9,
+    "local_learning_rate": 0.05,
+    "local_momentum": 0.9,
+    "local_batch_size": LOCAL_MINIBATCH,
+}
 
 METHODS: dict[str, Method] = {
     "sync": Method(
@@ -41,20 +57,26 @@ METHODS: dict[str, Method] = {
     "avg": Method(
         "int8 averaging (local steps, int8 both ways)",
         3000,
-        {
-            "mode": "averaging",
-            "codec": "int8",
-            "weights_codec": "int8",
-            "learning_rate": 1.0,
-            "momentum": 0.9,
-            "local_learning_rate": 0.05,
-            "local_momentum": 0.9,
-            "local_batch_size": LOCAL_MINIBATCH,
-        },
+        METHODS_AVG_SETTINGS,
         "a round = 16 work units of 3,000 samples (48,000, 0.8 epoch), each 47 local SGD steps of 64 "
         "(lr 0.05, momentum 0.9) in the volunteer; outer Nesterov lr 1.0 momentum 0.9 on the sample-weighted "
         "mean delta (offline: 6 rounds to 84%, 7-8 with outer lr 0.7); updates int8 with error feedback, "
         "weights int8",
+    ),
+    "avg_crowd": Method(
+        "int8 averaging, crowd rounds (a unit per device, target_seconds each)",
+        LOCAL_MINIBATCH,
+        {
+            **METHODS_AVG_SETTINGS,
+            "crowd_rounds": True,
+            "target_seconds": TARGET_SECONDS,
+            "round_samples": LOCAL_MINIBATCH * UNITS_PER_ROUND,
+            "round_timeout": 4 * TARGET_SECONDS,
+        },
+        f"the platform's crowd-sized rounds as in production: a round has a work unit for every connected "
+        f"device (at least {UNITS_PER_ROUND}), each sized to take {TARGET_SECONDS} s of local SGD steps "
+        "of 64 (lr 0.05, momentum 0.9) on that device, so the round grows with the fleet and its devices "
+        "finish together; outer Nesterov lr 1.0 momentum 0.9 on the sample-weighted mean delta; int8",
     ),
 }
 
@@ -83,15 +105,21 @@ class Options:
     output: Path | None  # None: benchmarks/results/scaling.json
     database_prefix: str = DATABASE_PREFIX
     redis_db: int = REDIS_DB
+    heterogeneous: bool = False  # speeds spread 10x with churn (fleet.py), into their own results file
+    churn_per_hour: float = CHURN_PER_HOUR
+
+    @property
+    def name(self) -> str:
+        return "scaling-heterogeneous" if self.heterogeneous else "scaling"
 
     @property
     def results(self) -> Path:
-        return self.output or RESULTS / "scaling.json"
+        return self.output or RESULTS / f"{self.name}.json"
 
     @property
     def partial(self) -> Path:
         """Rows written after every run, so that a crash late in the series loses nothing."""
-        return Path(f"{self.output}.partial") if self.output else RESULTS / "scaling.partial.json"
+        return Path(f"{self.output}.partial") if self.output else RESULTS / f"{self.name}.partial.json"
 
     @property
     def template_database(self) -> str:

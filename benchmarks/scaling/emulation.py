@@ -7,7 +7,9 @@ real compute took longer than its emulated time can be counted and flagged.
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
+import contextlib
 import json
 import os
 import statistics
@@ -17,13 +19,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from safetensors.numpy import load as load_shard
 
 from engine.flops import train_flops_per_sample
 from engine.graph import Graph, load_graph
 from engine.runtime import compute_gradients, local_steps
+from workers import simulator
 from workers.simulator import Simulator, SimulatorConfig, Unit
 
-from .config import LOCAL_MINIBATCH, UNITS_PER_ROUND
+from . import fleet
+from .config import LOCAL_MINIBATCH, SHARD_SAMPLES, TARGET_SECONDS, UNITS_PER_ROUND
 
 Tensors = dict[str, torch.Tensor]
 
@@ -48,10 +53,29 @@ def capacity(calibration: dict[str, float]) -> float:
     return min(calibration["gradient_64_gflops_total"], calibration["local_steps_3000_gflops_total"])
 
 
+def heterogeneous_top_gflops(calibration: dict[str, float], volunteers: int) -> float:
+    """The fastest device of a heterogeneous fleet (fleet.speeds) of `volunteers`, 2 digits: the speed whose
+    TARGET_SECONDS unit fills a shard (a unit never spans two, so a faster device would get a shorter unit
+    and wait), unless the whole fleet would then emulate more than a quarter of the machine's measured
+    capacity (not the homogeneous runs' half: every result of a volunteer not trusted yet is recomputed on
+    the server, and many threads share the cores)."""
+    fills = SHARD_SAMPLES * calibration["flops_per_sample"] / (TARGET_SECONDS * 1e9)
+    affordable = capacity(calibration) / (4 * sum(fleet.speeds(volunteers, 1.0)))
+    return float(f"{min(fills, affordable):.2g}")
+
+
 def emulation(
-    calibration: dict[str, float], gflops: float | None, timeout: float | None, quick: bool
+    calibration: dict[str, float],
+    gflops: float | None,
+    timeout: float | None,
+    quick: bool,
+    heterogeneous_at: int = 0,
 ) -> Emulation:
-    """The device speed and run timeout: as given, or from the calibration."""
+    """The device speed (the top speed of a heterogeneous fleet of `heterogeneous_at`) and run timeout: as
+    given, or from the calibration."""
+    if heterogeneous_at:
+        top = gflops or heterogeneous_top_gflops(calibration, heterogeneous_at)
+        return Emulation(top, timeout or 900.0, calibration)
     gflops = gflops or emulated_gflops(capacity(calibration))
     # The runs' length scales with the emulated device time (600 s was plenty at 0.5 GFLOP/s).
     timeout = timeout or (240.0 if quick else 600.0) * max(1.0, 0.5 / gflops)
@@ -118,6 +142,28 @@ def warm_up(graph: Graph, x: torch.Tensor, y: torch.Tensor) -> None:
     local_steps(graph, weights, inp, tgt, batch_size=64, lr=0.01, momentum=0.9)
 
 
+# --- the shards, parsed once for all volunteers
+
+
+_parsed: dict[int, tuple[bytes, dict[str, Any]]] = {}
+
+
+def shared_shard(data: bytes) -> dict[str, Any]:
+    """safetensors' load, once per shard for the whole process: the emulated volunteers share one event loop,
+    where parsing a 6,000-image shard for every unit (19 MB copied, 10-20 ms) delayed the last of 64
+    volunteers' starts by a second that a browser, decoding in its own worker, does not spend. Shards are
+    immutable and every volunteer holds the same pre-cached bytes object, which keys the cache."""
+    hit = _parsed.get(id(data))
+    if hit is None or hit[0] is not data:
+        hit = (data, load_shard(data))
+        _parsed[id(data)] = hit
+    return hit[1]
+
+
+def share_parsed_shards() -> None:
+    simulator.load_shard = shared_shard
+
+
 # --- what each volunteer did -------------------------------------------------------------------------
 
 
@@ -133,6 +179,8 @@ class Tally:
     weights_bytes: int = 0
     graph_bytes: int = 0
     units: list[UnitTiming] = field(default_factory=list)
+    # (start, stop) on the monotonic clock of each unit's emulated computation: the device's busy time
+    computing: list[tuple[float, float]] = field(default_factory=list)
 
 
 class CountingSimulator(Simulator):
@@ -142,9 +190,27 @@ class CountingSimulator(Simulator):
     def __init__(self, config: SimulatorConfig, graph_url: str) -> None:
         super().__init__(config, on_compute=self._computed)
         self.tally, self.graph_url = Tally(), graph_url
+        self.left_at: float | None = None  # when it left the run (churn), on the monotonic clock
+        self.watches: set[asyncio.Task[None]] = set()  # _cut tasks
 
     def _computed(self, unit: Unit, real_s: float, emulated_s: float) -> None:
+        """Called (in the event loop) as the real computation ends; the device computes until its emulated
+        time is up, or until the server cancels the unit (its round closed)."""
         self.tally.units.append(UnitTiming(unit.samples, real_s, emulated_s))
+        started = time.monotonic() - real_s
+        self.tally.computing.append((started, started + max(real_s, emulated_s)))
+        if self.session is not None:
+            cancel = self.session.cancelled.setdefault(unit.id, asyncio.Event())
+            watch = asyncio.get_running_loop().create_task(self._cut(cancel, len(self.tally.computing) - 1))
+            self.watches.add(watch)
+            watch.add_done_callback(self.watches.discard)
+
+    async def _cut(self, cancel: asyncio.Event, index: int) -> None:
+        """End the unit's computing time when it is cancelled before its emulated time is up."""
+        start, stop = self.tally.computing[index]
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(cancel.wait(), max(0.0, stop - time.monotonic()))
+            self.tally.computing[index] = (start, min(stop, time.monotonic()))
 
     async def download(self, url: str) -> bytes:
         cached = self.cache.get(url) is not None

@@ -13,7 +13,18 @@ import torch
 
 from engine import codecs
 
-from .config import BANDWIDTH_MBIT, GOAL_BYTES, GOAL_SPEEDUP, LATENCY_MS, METHODS, Options
+from . import fleet
+from .config import (
+    BANDWIDTH_MBIT,
+    GOAL_BUSY,
+    GOAL_BYTES,
+    GOAL_HETERO_AT,
+    GOAL_HETERO_SPEEDUP,
+    GOAL_SPEEDUP,
+    LATENCY_MS,
+    METHODS,
+    Options,
+)
 from .emulation import Emulation
 
 Row = dict[str, Any]
@@ -305,3 +316,134 @@ def _plot_bytes(ax: Any, rows: list[Row], methods: list[str], ns: list[int]) -> 
     )
     ax.margins(y=0.3)
     ax.legend(fontsize=7, loc="center", framealpha=0.9)
+
+
+# --- the heterogeneous runs (issue 15 items 7 and 5) -----------------------------------------------------
+
+HETERO_HEAD = (
+    "N",
+    "t->target s",
+    "versions",
+    "samples",
+    "1 mean volunteer s",
+    "speedup",
+    "efficiency",
+    "busy median",
+    "busy p10",
+    "left/joined",
+    "real>emu",
+    "load",
+)
+
+
+def _hetero_cells(r: Row) -> tuple[str, ...]:
+    base, busy, churn = r["baseline"], r["busy"], r["churn"]["done"]
+    return (
+        str(r["volunteers"]),
+        f"{r['seconds_to_target']:.1f}"
+        if r["reached"]
+        else f">{r['run_seconds']:.0f} ({r['best_accuracy']:.0%})",
+        str(r["versions_to_target"] or "-"),
+        str(r["samples_aggregated_to_target"] or "-"),
+        f"{base['one_mean_volunteer_seconds']:.0f}" if base["speedup"] else "-",
+        f"{base['speedup']:.1f}x" if base["speedup"] else "-",
+        f"{base['efficiency']:.2f}" if base["speedup"] else "-",
+        f"{busy['busy_median']:.1%}" if busy["busy_median"] is not None else "-",
+        f"{busy['busy_p10']:.1%}" if busy["busy_p10"] is not None else "-",
+        f"{sum('left_s' in e for e in churn)}/{sum('joined_s' in e for e in churn)}",
+        f"{r['compute_real_over_emulated']}/{r['work_units_all']}",
+        f"{r['load_average_before']:.1f}",
+    )
+
+
+def print_heterogeneous(rows: list[Row]) -> None:
+    lines = [HETERO_HEAD, *(_hetero_cells(r) for r in rows)]
+    widths = [max(len(line[i]) for line in lines) for i in range(len(HETERO_HEAD))]
+    print()
+    for i, line in enumerate(lines):
+        print("  ".join(c.rjust(w) for c, w in zip(line, widths, strict=True)))
+        if i == 0:
+            print("  ".join("-" * w for w in widths))
+
+
+def heterogeneous_result(options: Options, emulation: Emulation, rows: list[Row], wall: float) -> Row:
+    """The heterogeneous results file's content."""
+    content = result(options, emulation, rows, {}, wall)
+    del content["resnet18"]
+    content["benchmark"] = "scaling-heterogeneous"
+    content["emulation"].update(
+        gflops_per_volunteer=None,
+        top_gflops=emulation.gflops,
+        fleet=fleet.__doc__.split("\n\n")[1].replace("\n", " ") if fleet.__doc__ else "",
+        churn=fleet.__doc__.split("\n\n")[2].replace("\n", " ") if fleet.__doc__ else "",
+        busy=fleet.__doc__.split("\n\n")[3].replace("\n", " ") if fleet.__doc__ else "",
+    )
+    content["goals"] = {
+        f"speedup_at_{GOAL_HETERO_AT}": GOAL_HETERO_SPEEDUP,
+        "busy_fraction_median_and_p10": GOAL_BUSY,
+        "baseline": "one volunteer of the fleet's mean speed computing the samples aggregated up to the "
+        "target back to back (no network, server or waiting): runner.baseline",
+    }
+    return content
+
+
+def write_heterogeneous(path: Path, content: Row, rows: list[Row]) -> None:
+    path.write_text(json.dumps(content, indent=1) + "\n")
+    plot_heterogeneous(rows, path.with_suffix(".png"), content["target_accuracy"])
+
+
+def replot_heterogeneous(path: Path) -> None:
+    saved = json.loads(path.read_text())
+    print_heterogeneous(saved["runs"])
+    write_heterogeneous(path, saved, saved["runs"])
+
+
+def plot_heterogeneous(rows: list[Row], path: Path, target: float) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.8))
+    _plot_hetero_speedups(ax1, rows, target)
+    _plot_busy(ax2, rows)
+    fig.suptitle(
+        f"Crowdtrain Fashion-MNIST MLP to {target:.0%}: volunteers 10x apart in speed, "
+        f"{rows[0]['churn']['rate_per_hour']:.0%} churn per hour"
+        if rows
+        else "no runs"
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def _plot_hetero_speedups(ax: Any, rows: list[Row], target: float) -> None:
+    ns = sorted({r["volunteers"] for r in rows})
+    ax.plot([1, *ns], [1, *ns], "k:", label="linear")
+    ax.plot([GOAL_HETERO_AT], [GOAL_HETERO_SPEEDUP], "k*", ms=10, label=f"goal {GOAL_HETERO_SPEEDUP:g}x")
+    ours = [r for r in rows if r["baseline"]["speedup"]]
+    ax.plot(
+        [r["volunteers"] for r in ours], [r["baseline"]["speedup"] for r in ours], "o-", label="avg_crowd"
+    )
+    ax.set(
+        xscale="log",
+        yscale="log",
+        xlabel="volunteers",
+        ylabel=f"speedup in time to {target:.0%}",
+        title="Over one volunteer of the fleet's mean speed",
+    )
+    ax.legend(fontsize=8)
+
+
+def _plot_busy(ax: Any, rows: list[Row]) -> None:
+    for r in rows:
+        pairs = r["busy"]["per_device_gflops_busy"]
+        ax.plot([g for g, _ in pairs], [b for _, b in pairs], "o", ms=3, label=f"N={r['volunteers']}")
+    ax.axhline(GOAL_BUSY, color="grey", lw=0.8, ls="--", label=f"goal {GOAL_BUSY:.0%}")
+    ax.set(
+        xscale="log",
+        xlabel="device speed (emulated GFLOP/s)",
+        ylabel="share of wall time computing",
+        title="Each device's busy fraction at steady state",
+    )
+    ax.legend(fontsize=8)

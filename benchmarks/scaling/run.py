@@ -1,6 +1,7 @@
 """Scaling: time to a target test accuracy on a Fashion-MNIST MLP with 1..16 simulated volunteers.
 
     .venv/bin/python -m benchmarks.scaling.run [--quick] [--volunteers 1,2,4,8,16] [--methods sync,avg]
+    .venv/bin/python -m benchmarks.scaling.run --heterogeneous [--volunteers 32,64] [--churn-per-hour 0.2]
 
 Every run starts the real platform (devstack/stack.py: daphne + Celery workers + beat on a fresh
 PostgreSQL database crowdtrain_h10_<method>_<n>, cloned from a seeded template; Redis db 2), configures
@@ -26,8 +27,20 @@ the JSON): 16 volunteers together emulate half of it, and the other half is the 
 as fast relative to the server on any machine (0.5 GFLOP/s on one whose 2 cores give 20). Every work unit
 whose real compute took longer than its emulated time is counted and flagged in the output.
 
+Heterogeneous runs (--heterogeneous, issue 15 items 7 and 5; results in scaling-heterogeneous.json): 32 and 64
+volunteers whose speeds spread 10x (fleet.py: log-uniform between 0.1x and 1x of a top speed), 20% of them
+leaving mid-unit per hour of the run's clock and replaced by fresh ones, on the platform's crowd-sized
+averaging rounds (method avg_crowd: a unit per connected device, each taking target_seconds on that device;
+spot checks as in production). The top speed is the one whose target_seconds unit fills a 6,000-sample shard
+(a unit never spans two), lowered if the fleet would emulate over a quarter of the calibrated capacity. The
+speedup is over ONE volunteer of the fleet's mean speed computing the samples aggregated up to the target
+back to back with no network, server or waiting (runner.baseline): a lower bound on that volunteer's time
+on the same algorithm, measured from the run's own counts. Each device's busy fraction is its emulated
+compute time over its wall time from its first unit to the target (or its departure).
+
 Modules: config.py (constants, methods, options), emulation.py (device speed, the volunteers' accounts),
-runner.py (one run on the platform), report.py (table, plot, JSON), seed.py (the project, via Django).
+runner.py (one run on the platform), report.py (table, plot, JSON), seed.py (the project, via Django),
+fleet.py (the heterogeneous fleet: speeds, churn, busy fractions).
 """
 
 from __future__ import annotations
@@ -39,8 +52,8 @@ import shutil
 import time
 from pathlib import Path
 
-from . import report
-from .config import METHODS, Options
+from . import fleet, report
+from .config import CHURN_PER_HOUR, METHODS, Options
 from .emulation import Emulation, calibrate, capacity, emulation
 from .runner import ScalingStack, run_one
 
@@ -67,20 +80,42 @@ def parser() -> argparse.ArgumentParser:
         help="databases <prefix>_template and <prefix>_<method>_<n> (default %(default)s)",
     )
     p.add_argument("--redis-db", type=int, default=Options.redis_db, help="Redis db (default %(default)s)")
+    p.add_argument(
+        "--heterogeneous",
+        action="store_true",
+        help="speeds spread 10x with churn (fleet.py); default 32,64 volunteers, method avg_crowd, "
+        "--gflops is the top speed; results in scaling-heterogeneous.json",
+    )
+    p.add_argument(
+        "--churn-per-hour",
+        type=float,
+        default=CHURN_PER_HOUR,
+        help="with --heterogeneous: share of the fleet leaving (and replaced) per hour (default %(default)s)",
+    )
     return p
 
 
+def _defaults(args: argparse.Namespace) -> tuple[str, str]:
+    """Volunteers and methods when not given."""
+    if args.heterogeneous:
+        return "32,64", "avg_crowd"
+    return ("1,4" if args.quick else "1,2,4,8,16"), "sync,avg"
+
+
 def options(args: argparse.Namespace) -> Options:
+    volunteers, methods = _defaults(args)
     return Options(
         quick=args.quick,
-        volunteers=[int(v) for v in (args.volunteers or ("1,4" if args.quick else "1,2,4,8,16")).split(",")],
-        methods=(args.methods or "sync,avg").split(","),
+        volunteers=[int(v) for v in (args.volunteers or volunteers).split(",")],
+        methods=(args.methods or methods).split(","),
         target=args.target or (0.80 if args.quick else 0.84),
         gflops=args.gflops,
         timeout=args.timeout,
         output=Path(args.output) if args.output else None,
         database_prefix=args.database_prefix,
         redis_db=args.redis_db,
+        heterogeneous=args.heterogeneous,
+        churn_per_hour=args.churn_per_hour,
     )
 
 
@@ -89,10 +124,11 @@ def emulate(opts: Options) -> Emulation:
     most = max(opts.volunteers)
     print(f"calibrating: real MLP throughput with {most} concurrent volunteers ...", flush=True)
     calib = calibrate(most, seconds=2.0 if opts.quick else 4.0)
-    chosen = emulation(calib, opts.gflops, opts.timeout, opts.quick)
-    need = most * chosen.gflops
+    chosen = emulation(calib, opts.gflops, opts.timeout, opts.quick, most if opts.heterogeneous else 0)
+    need = sum(fleet.speeds(most, chosen.gflops)) if opts.heterogeneous else most * chosen.gflops
     print(
-        f"  {calib}\n  emulating {chosen.gflops} GFLOP/s x {most} = {need:g} GFLOP/s; real capacity "
+        f"  {calib}\n  emulating {'up to ' if opts.heterogeneous else ''}{chosen.gflops} GFLOP/s x {most} = "
+        f"{need:g} GFLOP/s; real capacity "
         f"{calib['gradient_64_gflops_total']} (gradients) / {calib['local_steps_3000_gflops_total']} (local "
         f"steps) GFLOP/s -> headroom {capacity(calib) / need:.1f}x"
         " (before the server's own CPU use)",
@@ -126,17 +162,28 @@ def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     opts = options(args)
     if args.replot:
-        report.replot(opts.results)
+        (report.replot_heterogeneous if opts.heterogeneous else report.replot)(opts.results)
         return 0
     started = time.monotonic()
     chosen = emulate(opts)
     seed_template(opts)
     rows = run_all(opts, chosen)
+    if opts.heterogeneous:
+        return heterogeneous_report(opts, chosen, rows, started)
     report.summarize(rows)
     resnet = report.resnet18_bytes({"sync": METHODS["sync"].work_unit, "avg": METHODS["avg"].work_unit})
     report.print_summary(rows, resnet)
     wall = round(time.monotonic() - started, 1)
     report.write(opts.results, report.result(opts, chosen, rows, resnet, wall), rows, opts.target)
+    opts.partial.unlink(missing_ok=True)
+    print(f"\nwrote {opts.results} and {opts.results.with_suffix('.png')} in {wall} s")
+    return 0
+
+
+def heterogeneous_report(opts: Options, chosen: Emulation, rows: list[report.Row], started: float) -> int:
+    report.print_heterogeneous(rows)
+    wall = round(time.monotonic() - started, 1)
+    report.write_heterogeneous(opts.results, report.heterogeneous_result(opts, chosen, rows, wall), rows)
     opts.partial.unlink(missing_ok=True)
     print(f"\nwrote {opts.results} and {opts.results.with_suffix('.png')} in {wall} s")
     return 0

@@ -26,12 +26,13 @@ import redis
 import torch
 from safetensors.numpy import load as load_shard
 
-from devstack.stack import PYTHON, ROOT, Stack, recreate_database
+from devstack.stack import DATABASE_PREFIX, PYTHON, ROOT, Stack, recreate_database
 from engine import codecs
 from engine.graph import load_graph
 from engine.runtime import evaluate
 from workers.simulator import SimulatorConfig
 
+from . import fleet as fleet_
 from .config import (
     ADMIN_URL,
     BANDWIDTH_MBIT,
@@ -43,7 +44,7 @@ from .config import (
     Options,
     round_columns,
 )
-from .emulation import CountingSimulator, Emulation, totals, unit_timings, warm_up
+from .emulation import CountingSimulator, Emulation, share_parsed_shards, totals, unit_timings, warm_up
 from .seed import CONFIGURED, OPENED
 
 WORKERS = ("worker", "validator")  # the Celery workers' logs
@@ -61,6 +62,9 @@ class ScalingStack(Stack):
     def env(self) -> dict[str, str]:
         env = super().env()
         env["CROWDTRAIN_SHARD_SAMPLES"] = str(SHARD_SAMPLES)
+        # Every emulated volunteer connects from 127.0.0.1: the per-address connect limit (60 a minute) is for
+        # many volunteers behind one address, and would make 64 of them wait out a throttle at the start.
+        env["CROWDTRAIN_WS_CONNECTS_PER_MINUTE_IP"] = "100000"
         return env
 
     def seed_template(self) -> None:
@@ -74,15 +78,17 @@ class ScalingStack(Stack):
         self.database = database
 
     def clone(self) -> None:
+        # recreate_database (the template's) prefixes names with the checkout's CROWDTRAIN_STACK_DB_PREFIX
+        database, template = DATABASE_PREFIX + self.database, DATABASE_PREFIX + self.template
         with psycopg.connect(ADMIN_URL, autocommit=True) as conn:
-            conn.execute(f'DROP DATABASE IF EXISTS "{self.database}" WITH (FORCE)')
-            conn.execute(f'CREATE DATABASE "{self.database}" TEMPLATE "{self.template}"')
-        self.database_url = ADMIN_URL.rsplit("/", 1)[0] + f"/{self.database}"
+            conn.execute(f'DROP DATABASE IF EXISTS "{database}" WITH (FORCE)')
+            conn.execute(f'CREATE DATABASE "{database}" TEMPLATE "{template}"')
+        self.database_url = ADMIN_URL.rsplit("/", 1)[0] + f"/{database}"
         redis.Redis.from_url(self.env()["REDIS_URL"]).flushdb()  # our own db only
 
     def drop(self) -> None:
         with contextlib.suppress(psycopg.Error), psycopg.connect(ADMIN_URL, autocommit=True) as admin:
-            admin.execute(f'DROP DATABASE IF EXISTS "{self.database}" WITH (FORCE)')
+            admin.execute(f'DROP DATABASE IF EXISTS "{DATABASE_PREFIX + self.database}" WITH (FORCE)')
 
     def start(self) -> None:
         for log in ("web", *WORKERS, "beat"):
@@ -242,29 +248,84 @@ class Race:
     reached: dict[str, Any] | None = None
     snapshot: dict[str, int] = field(default_factory=dict)  # totals() when the target was reached
     crashed: list[str] = field(default_factory=list)
+    churn: Churn | None = None
+    started: float = 0.0  # the clock's start and end, on the monotonic clock
+    ended: float = 0.0
+    tasks: list[asyncio.Task[Any]] = field(default_factory=list)
 
 
-def volunteers(url: str, evaluator: Evaluator, n: int, gflops: float) -> list[CountingSimulator]:
-    sims = []
-    shards = evaluator.shard_cache()
-    for i in range(n):
+@dataclass
+class Fleet:
+    """Who volunteers: the emulated speed of each slot, and how to make a fresh volunteer for a slot."""
+
+    url: str
+    evaluator: Evaluator
+    speeds: list[float]
+    shards: dict[str, bytes] = field(default_factory=dict)  # the training shards, read once
+
+    def __post_init__(self) -> None:
+        self.shards = self.shards or self.evaluator.shard_cache()
+
+    def volunteer(self, slot: int, generation: int = 0) -> CountingSimulator:
+        """Slot `slot`'s volunteer; generation > 0: a fresh one who joined after its predecessor left."""
+        name = f"h10-vol-{slot:02d}" + (f"-j{generation}" if generation else "")
         config = SimulatorConfig(
-            url=url,
-            username=f"h10-vol-{i:02d}",
+            url=self.url,
+            username=name,
             password=PASSWORD,
             signup=True,
-            gflops=gflops,
+            gflops=self.speeds[slot],
             bandwidth_mbit=BANDWIDTH_MBIT,
             latency_ms=LATENCY_MS,
             prefetch=False,
             verdict_timeout_s=3.0,
-            seed=i,
+            seed=slot + 1000 * generation,
         )
-        sim = CountingSimulator(config, evaluator.graph_url)
-        for shard_url, data in shards.items():  # the dataset is already in the browser cache (immutable)
+        sim = CountingSimulator(config, self.evaluator.graph_url)
+        for shard_url, data in self.shards.items():  # in the browser cache (immutable)
             sim.cache.put(shard_url, data)
-        sims.append(sim)
-    return sims
+        return sim
+
+    def volunteers(self) -> list[CountingSimulator]:
+        return [self.volunteer(slot) for slot in range(len(self.speeds))]
+
+
+@dataclass
+class Churn:
+    """The run's departures and arrivals (fleet.churn), done as the clock passes them."""
+
+    fleet: Fleet
+    departures: list[fleet_.Departure]
+    occupant: dict[int, CountingSimulator] = field(default_factory=dict)  # slot -> its volunteer now
+    left: set[int] = field(default_factory=set)  # departures done (index)
+    joined: set[int] = field(default_factory=set)  # arrivals done (index)
+    log: list[dict[str, Any]] = field(default_factory=list)
+
+    def due(self, race: Race, now_s: float) -> None:
+        for index, departure in enumerate(self.departures):
+            if departure.at_s <= now_s and index not in self.left:
+                self.left.add(index)
+                self._leave(departure, now_s)
+            if departure.rejoin_at_s <= now_s and index not in self.joined:
+                self.joined.add(index)
+                self._join(race, departure, generation=index + 1, now_s=now_s)
+
+    def _leave(self, departure: fleet_.Departure, now_s: float) -> None:
+        """A closed tab: the connection drops without a goodbye, mid-unit if it computes one."""
+        sim = self.occupant[departure.slot]
+        sim.left_at = time.monotonic()
+        sim.stopped = True
+        computing = any(stop > sim.left_at for _, stop in sim.tally.computing)
+        if sim.session is not None:
+            sim.session.ws.transport.abort()
+        self.log.append({"left_s": round(now_s, 1), "slot": departure.slot, "computing": computing})
+
+    def _join(self, race: Race, departure: fleet_.Departure, generation: int, now_s: float) -> None:
+        sim = self.fleet.volunteer(departure.slot, generation)
+        self.occupant[departure.slot] = sim
+        race.sims.append(sim)
+        race.tasks.append(asyncio.create_task(sim.run()))
+        self.log.append({"joined_s": round(now_s, 1), "slot": departure.slot, "name": sim.config.username})
 
 
 async def before_clock(sims: list[CountingSimulator], evaluator: Evaluator, control: ProjectControl) -> None:
@@ -281,18 +342,21 @@ async def before_clock(sims: list[CountingSimulator], evaluator: Evaluator, cont
 
 async def run_to_target(race: Race, evaluator: Evaluator, target: float, timeout: float) -> None:
     """Run the volunteers until a version reaches `target` (or they all end, or `timeout`)."""
-    race.started_wall, started = time.time(), time.monotonic()
-    tasks = [asyncio.create_task(s.run()) for s in race.sims]
-    while time.monotonic() - started < timeout:
+    race.started_wall, race.started = time.time(), time.monotonic()
+    race.tasks = [asyncio.create_task(s.run()) for s in race.sims]
+    while time.monotonic() - race.started < timeout:
         await asyncio.sleep(0.25)
+        if race.churn is not None:
+            race.churn.due(race, time.monotonic() - race.started)
         for entry in await asyncio.to_thread(evaluator.poll):
             if race.reached is None and entry["accuracy"] >= target:
                 race.reached, race.snapshot = entry, totals(race.sims)
-        if race.reached is not None or all(t.done() for t in tasks):
+        if race.reached is not None or all(t.done() for t in race.tasks):
             break
-    race.elapsed = time.monotonic() - started
+    race.ended = time.monotonic()
+    race.elapsed = race.ended - race.started
     race.snapshot = race.snapshot or totals(race.sims)
-    race.crashed = await stop(race.sims, tasks)
+    race.crashed = await stop(race.sims, race.tasks)
 
 
 async def stop(sims: list[CountingSimulator], tasks: list[asyncio.Task[Any]]) -> list[str]:
@@ -308,7 +372,9 @@ async def stop(sims: list[CountingSimulator], tasks: list[asyncio.Task[Any]]) ->
 async def drive(
     race: Race, evaluator: Evaluator, control: ProjectControl, target: float, timeout: float
 ) -> None:
-    asyncio.get_running_loop().set_default_executor(concurrent.futures.ThreadPoolExecutor(len(race.sims) + 4))
+    arrivals = len(race.churn.departures) if race.churn else 0
+    pool = concurrent.futures.ThreadPoolExecutor(len(race.sims) + arrivals + 4)
+    asyncio.get_running_loop().set_default_executor(pool)
     await before_clock(race.sims, evaluator, control)
     await run_to_target(race, evaluator, target, timeout)
 
@@ -325,8 +391,23 @@ class Measured:
     reasons: dict[str, int]
 
 
-def measure(stack: ScalingStack, method: Method, n: int, emulation: Emulation, target: float) -> Measured:
-    """Clone, configure, start the platform, warm up, and race N volunteers to `target`."""
+@dataclass(frozen=True)
+class Plan:
+    """One run's fleet: each volunteer's speed, and the churn (none in the homogeneous runs)."""
+
+    speeds: list[float]
+    departures: list[fleet_.Departure]
+
+
+def plan(options: Options, emulation: Emulation, n: int) -> Plan:
+    if not options.heterogeneous:
+        return Plan([emulation.gflops] * n, [])
+    departures = fleet_.churn(n, options.churn_per_hour, emulation.timeout, seed=n)
+    return Plan(fleet_.speeds(n, emulation.gflops), departures)
+
+
+def measure(stack: ScalingStack, method: Method, run: Plan, emulation: Emulation, target: float) -> Measured:
+    """Clone, configure, start the platform, warm up, and race the planned volunteers to `target`."""
     t_setup = time.monotonic()
     stack.clone()
     with (
@@ -336,7 +417,11 @@ def measure(stack: ScalingStack, method: Method, n: int, emulation: Emulation, t
         stack.start()
         evaluator = Evaluator(conn, stack.var_dir / "media" / "blobs", control.project_id)
         warm_up(evaluator.graph, evaluator.x, evaluator.y)
-        race = Race(volunteers(stack.url, evaluator, n, emulation.gflops))
+        share_parsed_shards()
+        volunteers = Fleet(stack.url, evaluator, run.speeds)
+        race = Race(volunteers.volunteers())
+        if run.departures:
+            race.churn = Churn(volunteers, run.departures, occupant=dict(enumerate(race.sims)))
         setup_s = time.monotonic() - t_setup
         asyncio.run(drive(race, evaluator, control, target, emulation.timeout))
         outcomes = evaluator.outcomes("r.validation || '/' || r.status")
@@ -354,8 +439,9 @@ def run_one(options: Options, emulation: Emulation, method_key: str, n: int) -> 
         template=options.template_database,
     )
     load_before = os.getloadavg()[0]
+    run = plan(options, emulation, n)
     try:
-        measured = measure(stack, METHODS[method_key], n, emulation, options.target)
+        measured = measure(stack, METHODS[method_key], run, emulation, options.target)
     finally:
         stack.stop()
         tasks = worker_task_times(stack.worker_logs())
@@ -363,6 +449,8 @@ def run_one(options: Options, emulation: Emulation, method_key: str, n: int) -> 
     row.update(worker_tasks=tasks, **errors(measured.race.sims), load_average_before=round(load_before, 2))
     row.update(load_average_after=round(os.getloadavg()[0], 2), config=round_columns(METHODS[method_key]))
     row.update(accuracy_curve=accuracy_curve(measured), bytes_per_sample=bytes_per_sample(row))
+    if options.heterogeneous:
+        row.update(heterogeneous_row(run, measured.race, row, options, emulation))
     if not os.environ.get("SCALING_KEEP_DATABASES"):  # keep them to study a run's timeline in SQL
         stack.drop()
     return row
@@ -407,3 +495,60 @@ def accuracy_curve(measured: Measured) -> list[tuple[float, int, float]]:
 def bytes_per_sample(row: dict[str, Any]) -> float | None:
     samples = row["samples_aggregated_to_target"]
     return round(row["training_bytes_to_target"] / samples, 1) if samples else None
+
+
+# --- the heterogeneous fleet's own numbers ------------------------------------------------------------------
+
+
+def heterogeneous_row(
+    run: Plan, race: Race, row: dict[str, Any], options: Options, emulation: Emulation
+) -> dict[str, Any]:
+    """The fleet, the churn that happened, how busy the devices were, and the speedup over one volunteer of
+    the fleet's mean speed (`baseline`)."""
+    mean = statistics.fmean(run.speeds)
+    return {
+        "fleet": {
+            "top_gflops": max(run.speeds),
+            "slowest_gflops": min(run.speeds),
+            "mean_gflops": round(mean, 6),
+            "total_gflops": round(sum(run.speeds), 4),
+        },
+        "churn": {
+            "rate_per_hour": options.churn_per_hour,
+            "planned": [vars(d) for d in run.departures if d.at_s < race.elapsed],
+            "done": race.churn.log if race.churn else [],
+        },
+        "busy": busy(race),
+        "baseline": baseline(row, mean, emulation.calibration["flops_per_sample"]),
+    }
+
+
+def busy(race: Race) -> dict[str, Any]:
+    """Each device's computing time over its wall time at steady state (fleet.busy_fraction), up to the
+    target (or its departure)."""
+    per_device = []
+    for sim in race.sims:
+        end = min(race.ended, sim.left_at or race.ended)
+        fraction = fleet_.busy_fraction(sim.tally.computing, end)
+        if fraction is not None:
+            per_device.append((sim.config.gflops, round(fraction, 4)))
+    return {
+        **fleet_.busy_summary([f for _, f in per_device]),
+        "per_device_gflops_busy": sorted(per_device, reverse=True),
+    }
+
+
+def baseline(row: dict[str, Any], mean_gflops: float, flops_per_sample: float) -> dict[str, Any]:
+    """One volunteer of the fleet's mean speed computing the samples that the versions up to the target
+    aggregated, back to back, with no network, no server and no waiting: a lower bound of its time to the
+    target on the same algorithm, so the speedup over it is a conservative one."""
+    samples = row["samples_aggregated_to_target"]
+    if not row["reached"] or not samples:
+        return {"one_mean_volunteer_seconds": None, "speedup": None, "efficiency": None}
+    serial = samples * flops_per_sample / (mean_gflops * 1e9)
+    speedup = serial / row["seconds_to_target"]
+    return {
+        "one_mean_volunteer_seconds": round(serial, 1),
+        "speedup": round(speedup, 2),
+        "efficiency": round(speedup / row["volunteers"], 3),
+    }

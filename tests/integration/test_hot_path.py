@@ -143,6 +143,66 @@ def test_crowd_averaging_units_take_target_seconds_on_the_device(mlp_project: Pr
     assert project.current_version().round_target == 4 * min(fits, shard_samples)
 
 
+def test_crowd_averaging_sizes_each_unit_for_its_own_device(mlp_project: Project) -> None:
+    """Speeds spread 10x: each device's unit takes target_seconds on that device, not on the median one, so
+    the fast device is not left waiting for slow ones (the median's unit would be 60 samples for all)."""
+    Project.objects.filter(pk=mlp_project.pk).update(
+        mode="averaging", batch_size=10, round_samples=20, crowd_rounds=True, target_seconds=100
+    )
+    WorkUnit.objects.filter(project=mlp_project).delete()
+    fps = Project.objects.get(pk=mlp_project.pk).flops_per_sample
+    sizes = [200, 80, 40, 20]  # samples each device computes in 100 s; fastest asks first
+    users = [User.objects.create_user(f"spread-{size}") for size in sizes]
+    for user, size in zip(users, sizes, strict=True):
+        gflops = (size + 0.5) * fps / 100e9
+        device_register(
+            user=user, client_id=f"browser-{user.pk}", backend="wasm", gflops=gflops, user_agent=""
+        )
+    lifecycle.work_units_feed(project_id=mlp_project.pk)
+    ModelVersion.objects.filter(pk=mlp_project.current_version().pk).update(created_at=timezone.now())
+    served = [lifecycle.work_unit_assign(user=user, device=user.volunteer.devices.get()) for user in users]
+    assert [result.work_unit.count for result in served if result is not None] == sizes
+    assert mlp_project.current_version().round_target == sum(sizes)
+
+
+@pytest.mark.parametrize(("age", "seconds"), [(0, 40), (10, 30), (35, 10), (50, 40)])
+def test_a_crowd_averaging_unit_ends_with_the_rounds_target_seconds(
+    mlp_project: Project, age: int, seconds: int
+) -> None:
+    """A device asking `age` seconds into a round gets what is left of its 40 s (at least 10 s), so that one
+    that started late or came back for more finishes with the others; past them, a full unit."""
+    Project.objects.filter(pk=mlp_project.pk).update(
+        mode="averaging", batch_size=10, round_samples=10, crowd_rounds=True, target_seconds=40
+    )
+    WorkUnit.objects.filter(project=mlp_project).delete()
+    project = Project.objects.get(pk=mlp_project.pk)
+    fps = project.flops_per_sample
+    user = User.objects.create_user("late")
+    gflops = 20.5 * fps / 1e9  # 20 samples a second: 800 in 40 s (the digits' shard has 1,000)
+    device_register(user=user, client_id="browser-late", backend="wasm", gflops=gflops, user_agent="")
+    lifecycle.work_units_feed(project_id=project.pk)
+    ModelVersion.objects.filter(pk=project.current_version().pk).update(
+        created_at=timezone.now() - timedelta(seconds=age)
+    )
+    result = lifecycle.work_unit_assign(user=user, device=user.volunteer.devices.get())
+    assert result is not None
+    # (the second the test itself takes)
+    fits = [project.work_unit_samples(gflops=gflops, seconds=s) for s in (seconds - 1, seconds)]
+    assert fits[0] <= result.work_unit.count <= fits[1]
+
+
+@pytest.mark.parametrize("crowd", [False, True])
+def test_a_crowd_averaging_round_closes_at_nine_tenths_of_its_plan(mlp_project: Project, crowd: bool) -> None:
+    """Its units end together by design; the last tenth (late starters, a leaver's unit sent again) would
+    hold every device of the round idle. Other rounds wait for all their samples."""
+    Project.objects.filter(pk=mlp_project.pk).update(mode="averaging", crowd_rounds=crowd, round_samples=100)
+    ModelVersion.objects.filter(pk=mlp_project.current_version().pk).update(round_target=100)
+    _pending_round(mlp_project, results=89)
+    assert training.round_ready(project_id=mlp_project.pk) is False
+    _pending_round(mlp_project, results=90)
+    assert training.round_ready(project_id=mlp_project.pk) is crowd
+
+
 # --- indexes without statistics --------------------------------------------------------------------------
 
 

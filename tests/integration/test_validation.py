@@ -94,6 +94,31 @@ def test_trusted_volunteers_skip_spot_checks_but_not_the_norm_check(
     assert outcome.status == "invalid" and "norm" in outcome.reason
 
 
+@pytest.mark.parametrize("mode", ["averaging", "sync_sgd"])
+def test_local_steps_norms_are_compared_per_step(
+    mlp_project: Project, volunteer_user: User, mode: str
+) -> None:
+    """Crowd rounds size averaging units per device: a fast device's unit of 100 local steps has a larger
+    delta than a slow one's of 2, and is no outlier for it; a scaled update still is. Gradients are means."""
+    Project.objects.filter(pk=mlp_project.pk).update(mode=mode, local_batch_size=64)
+    unit = assign(volunteer_user)
+    for index in range(5):  # small units of 2 local steps
+        Result.objects.create(
+            work_unit=unit.work_unit,
+            volunteer=User.objects.create_user(f"slow{index}"),
+            deadline=unit.deadline,
+            status=Result.Status.RECEIVED,
+            validation=Result.Validation.VALID,
+            update_norm=0.1,
+            samples=128,
+        )
+    unit.work_unit.project.refresh_from_db()
+    unit.samples = 6400  # 100 local steps: 1.6 is 0.016 a step, against 0.05
+    assert (validation._norm_problem(result=unit, norm=1.6) is None) is (mode == "averaging")
+    unit.samples = 128
+    assert validation._norm_problem(result=unit, norm=10.0) is not None
+
+
 @pytest.mark.parametrize("codec", ["fp32", "fp16", "int8"])
 def test_every_codec_is_accepted(mlp_project: Project, volunteer_user: User, codec: str) -> None:
     Project.objects.filter(pk=mlp_project.pk).update(codec=codec)
