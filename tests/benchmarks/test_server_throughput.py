@@ -33,7 +33,9 @@ def stack(tmp_path: Path) -> Iterator[throughput.TreeStack]:
 @pytest.mark.timeout(600)
 def test_64_volunteers_on_the_real_stack_cause_no_deadlock(stack: throughput.TreeStack) -> None:
     throughput.django_ready()
-    args = throughput.parser().parse_args(["--volunteers", str(VOLUNTEERS), "--seconds", "20", "--warmup", "10"])
+    args = throughput.parser().parse_args(
+        ["--volunteers", str(VOLUNTEERS), "--seconds", "20", "--warmup", "10"]
+    )
     project_id = throughput.demo_project(stack)
     (row,) = asyncio.run(throughput.curve(stack, project_id, args, "test"))
     with psycopg.connect(stack.database_url, autocommit=True) as conn:
