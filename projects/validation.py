@@ -289,13 +289,14 @@ def _recent_norms(*, project_id: int) -> list[float]:
     # The project joined by the work unit's key, with no condition on it in SQL (one on the project would be
     # answered from the project's index: all its history).
     newest = sorted(window.values_list("pk", "update_norm", "work_unit__project_id"), reverse=True)
-    norms = [norm for _, norm, project in newest if project == project_id][:NORM_HISTORY]
+    norms = [n for _, n, project in newest if project == project_id and n is not None][:NORM_HISTORY]
     if len(norms) == NORM_HISTORY or top <= NORM_SCAN:
         return norms
     joined = Result.objects.filter(
         work_unit__project_id=project_id, validation=Result.Validation.VALID, update_norm__isnull=False
     )
-    return list(joined.order_by("-pk").values_list("update_norm", flat=True)[:NORM_HISTORY])
+    latest = joined.order_by("-pk").values_list("update_norm", flat=True)[:NORM_HISTORY]
+    return [n for n in latest if n is not None]
 
 
 def _spot_check(*, result: Result, update: Tensors) -> str | None:
