@@ -14,10 +14,12 @@ same stack. Per N, after a warm-up, over a window of --seconds:
 - database time per unit: pg_stat_database.active_time (time the stack's backends spent executing);
 - deadlocks: the pg_stat_database.deadlocks delta.
 
-Volunteers are trusted (their streak of valid results set past the project's threshold once they are
-connected), so spot checks run at the project's default rate for trusted volunteers (spot_check_rate).
-With --profile N, py-spy samples daphne, the worker and the validator for --profile-seconds after that N's
-window (not inside it) and writes the top frames to benchmarks/results/server-throughput-profile-*.txt.
+Volunteers hold the dataset's shards already (immutable blobs a browser keeps) and are trusted (their streak
+of valid results set past the project's threshold once they are connected), so spot checks run at the
+project's default rate for trusted volunteers (spot_check_rate). py-spy and pg_stat_activity (every 20 ms):
+with --profile N, daphne, the worker, the validator and the database are sampled for --profile-seconds after
+that N's window (not inside it), their top frames and statements written to
+benchmarks/results/server-throughput-profile-*.txt.
 
 Prints a table, writes benchmarks/results/server-throughput.json and server-throughput.png. The stacks'
 databases (prefix tp_... from CROWDTRAIN_STACK_DB_PREFIX) are dropped and created anew.
@@ -62,7 +64,9 @@ def parser() -> argparse.ArgumentParser:
         "--volunteers", default="8,32,64,256", help="comma-separated N, rising (default 8,32,64,256)"
     )
     p.add_argument("--seconds", type=float, default=40, help="measured window per N (default 40)")
-    p.add_argument("--warmup", type=float, default=20, help="seconds before each window (default 20)")
+    p.add_argument(
+        "--warmup", type=float, default=20, help="seconds before each window, plus N/16 (default 20)"
+    )
     p.add_argument(
         "--before-rev", default="", help="the 'before' commit (default: where this branch left main)"
     )
@@ -161,7 +165,21 @@ def session_cookies(database_url: str, n: int) -> list[str]:
     return keys
 
 
-def simulator(url: str, key: str, index: int) -> Any:
+def shard_cache(stack: TreeStack, project_id: int) -> dict[str, bytes]:
+    """The demo's training shards by URL: volunteers at steady state hold them (immutable blobs, cached by the
+    browser), as the scaling benchmark's do; a first download of 3 MB each by 256 fresh volunteers would
+    otherwise fill the measured window. Weights, new every version, are downloaded as usual."""
+    with psycopg.connect(stack.database_url, autocommit=True) as conn:
+        rows = conn.execute(
+            "SELECT s.blob_id FROM projects_datasetshard s JOIN projects_project p "
+            "ON p.dataset_id = s.dataset_id WHERE p.id = %s AND s.split = 'train'",
+            (project_id,),
+        ).fetchall()
+    blobs = stack.var_dir / "media" / "blobs"
+    return {f"/blobs/{sha}": (blobs / sha[:2] / sha).read_bytes() for (sha,) in rows}
+
+
+def simulator(url: str, key: str, index: int, shards: dict[str, bytes] | None = None) -> Any:
     from django.conf import settings
 
     from workers.simulator import Simulator, SimulatorConfig
@@ -173,6 +191,8 @@ def simulator(url: str, key: str, index: int) -> Any:
         None, False, None, None, {},
     )  # fmt: skip
     sim.http.cookies.set_cookie(cookie)
+    for shard_url, data in (shards or {}).items():
+        sim.cache.put(shard_url, data)
     return sim
 
 
@@ -355,7 +375,8 @@ async def measure_n(
     tasks = [asyncio.create_task(s.run()) for s in sims]
     await asyncio.sleep(min(5.0, args.warmup))
     await asyncio.to_thread(trust_everyone, stack)
-    await asyncio.sleep(max(0.0, args.warmup - 5.0))
+    # Connecting (hello, device) and the first round take longer with more volunteers: 16 s more at 256.
+    await asyncio.sleep(max(0.0, args.warmup - 5.0) + len(sims) / 16)
     a = await asyncio.to_thread(snapshot, stack, project_id)
     await asyncio.sleep(args.seconds)
     b = await asyncio.to_thread(snapshot, stack, project_id)
@@ -381,8 +402,9 @@ async def curve(
     pool = concurrent.futures.ThreadPoolExecutor(max(ns) + 8)
     asyncio.get_running_loop().set_default_executor(pool)
     rows = []
+    shards = await asyncio.to_thread(shard_cache, stack, project_id)
     for n in ns:
-        sims = [simulator(stack.url, keys[i], i) for i in range(n)]
+        sims = [simulator(stack.url, keys[i], i, shards) for i in range(n)]
         rows.append(await measure_n(stack, project_id, sims, args))
         print(f"  {label} N={n}: {json.dumps(rows[-1])}", flush=True)
         if n == args.profile:
@@ -395,7 +417,8 @@ async def profile_under_load(
 ) -> dict[str, str]:
     """The same N again, sampled by py-spy (outside the measured window: py-spy costs CPU itself)."""
     keys = await asyncio.to_thread(session_cookies, stack.database_url, args.profile)
-    sims = [simulator(stack.url, keys[i], i) for i in range(args.profile)]
+    shards = await asyncio.to_thread(shard_cache, stack, project_id)
+    sims = [simulator(stack.url, keys[i], i, shards) for i in range(args.profile)]
     tasks = [asyncio.create_task(s.run()) for s in sims]
     await asyncio.sleep(5)
     await asyncio.to_thread(trust_everyone, stack)
