@@ -37,7 +37,7 @@ help:
 	@echo "make lint    ruff (lint and format), mypy (tests and benchmarks too) and eslint; part of make test"
 	@echo "make messages  update locale/*/django.po from the templates and code, and compile them (needs GNU gettext)"
 	@echo "make fuzz    the long protocol fuzz against the real stack (FUZZ_ARGS=\"--frames 100000 --minutes 30\")"
-	@echo "make bench-server  the server's costs (aggregation before/after); benchmarks/results/server-*.json"
+	@echo "make bench-server  the server's costs (aggregation, work-unit throughput curve; before/after, ~20 min); results/server-*"
 	@echo "make bench-sockets  one daphne: idle volunteers, a reconnect storm, mass close (~4 min); server-sockets.json"
 	@echo "make bench-pipeline  pipeline vs data parallel, emulated time (~2 min); benchmarks/results/pipeline.*"
 	@echo "make docker  docker compose up --build (production shape; needs .env, see platform/env.example)"
@@ -95,9 +95,14 @@ fuzz: setup-dev
 # benchmarks/server: the server's costs on this machine (aggregation: an int8 ResNet-18 update folded into its
 # round and a version published, before and after issue 15); a table and benchmarks/results/server-*.json.
 # Uses a scratch PostgreSQL database (BENCH_SERVER_ARGS="--database NAME", dropped and created anew).
+# Then the work-unit throughput curve on the real stack, main ("before", a temporary git worktree) and this
+# checkout side by side (~15 min; shorter: BENCH_THROUGHPUT_ARGS="--volunteers 8,64 --seconds 20 --no-before"):
+# benchmarks/results/server-throughput.json and .png.
 BENCH_SERVER_ARGS ?=
+BENCH_THROUGHPUT_ARGS ?=
 bench-server: setup-dev
 	$(PY) -m benchmarks.server.run $(BENCH_SERVER_ARGS)
+	$(PY) -m benchmarks.server.throughput $(BENCH_THROUGHPUT_ARGS)
 
 # benchmarks/server/sockets.py: one daphne on the real stack, N idle volunteers, K simultaneous reconnects, all
 # closing at once (a few minutes; its own target so bench-server stays quick). Drops and creates its database.

@@ -96,12 +96,23 @@ def work_units_feed(*, project_id: int) -> int:
         size = _round_plan(project=project, version=version)
         target = version.round_target or project.round_samples
         missing = target - _samples_covered(project=project, version=version)
-        created = 0
-        while missing > 0:
-            missing -= _next_work_unit(project=project, version=version, size=size).count
-            created += 1
+        created = _round_create(project=project, version=version, size=size, missing=missing)
         project.save(update_fields=["data_cursor"])
     return created
+
+
+def _round_create(*, project: Project, version: ModelVersion, size: int, missing: int) -> int:
+    """Work units covering `missing` samples from the data cursor on, in one INSERT: a crowd-sized round has a
+    unit per volunteer, and two queries each (its shard, its row) made feeding 256 of them 512 round trips."""
+    if missing <= 0:
+        return 0
+    shards = {s.index: s for s in project.dataset.shards.filter(split=DatasetShard.Split.TRAIN)}
+    units = []
+    while missing > 0:
+        units.append(_next_work_unit(project=project, version=version, size=size, shards=shards))
+        missing -= units[-1].count
+    WorkUnit.objects.bulk_create(units)
+    return len(units)
 
 
 def _round_plan(*, project: Project, version: ModelVersion) -> int:
@@ -156,17 +167,16 @@ def _samples_covered(*, project: Project, version: ModelVersion) -> int:
     return units.aggregate(n=Sum("count"))["n"] or 0
 
 
-def _next_work_unit(*, project: Project, version: ModelVersion, size: int) -> WorkUnit:
-    shard, offset = _locate(project=project, index=project.data_cursor % project.dataset.train_samples)
+def _next_work_unit(
+    *, project: Project, version: ModelVersion, size: int, shards: dict[int, DatasetShard]
+) -> WorkUnit:
+    """The next unsaved work unit at the data cursor (moved past it). `shards`: training shards by index."""
+    index = project.data_cursor % project.dataset.train_samples
+    shard_samples = settings.CROWDTRAIN["SHARD_SAMPLES"]
+    shard, offset = shards[index // shard_samples], index % shard_samples
     count = min(size, shard.count - offset)
     project.data_cursor += count
-    return WorkUnit.objects.create(project=project, version=version, shard=shard, offset=offset, count=count)
-
-
-def _locate(*, project: Project, index: int) -> tuple[DatasetShard, int]:
-    shard_samples = settings.CROWDTRAIN["SHARD_SAMPLES"]
-    shard = project.dataset.shards.get(split=DatasetShard.Split.TRAIN, index=index // shard_samples)
-    return shard, index % shard_samples
+    return WorkUnit(project=project, version=version, shard=shard, offset=offset, count=count)
 
 
 # --- sending --------------------------------------------------------------------------------------
@@ -202,6 +212,11 @@ def work_unit_offer(
     volunteer = volunteer_ensure(user=user)
     if not volunteer.may_work(now=timezone.now()):
         return Offer(None, "backoff")
+    if not work_sendable():
+        # Once a round is handed out, every volunteer returning a result asks for more and is told `idle`:
+        # about one `ready` in two at a crowd-sized round. Nothing to send to anyone is one indexed EXISTS,
+        # not the locks and queries of choosing a work unit that fits (issue 15).
+        return Offer(None, "no_work")
     if preferences is None:
         preferences = preferences_effective(
             volunteer_id=volunteer.pk, device_id=device.pk if device else None
@@ -213,8 +228,13 @@ def work_unit_offer(
         )
         if work_unit is None:
             return Offer(None, why)
-        result = _send(work_unit=work_unit, samples=samples, user=user, volunteer=volunteer, device=device)
-        return Offer(result, _why_chosen(work_unit=work_unit, user=user, preferences=preferences))
+        result = _send(
+            work_unit=work_unit, samples=samples, user=user, volunteer=volunteer, device=device, limits=limits
+        )
+        why = _why_chosen(work_unit=work_unit, user=user, preferences=preferences)
+        # Last: every assignment charges the project's usage row, which then stays locked until the commit.
+        usage_charge(project_id=work_unit.project_id, flops=stages.unit_flops(work_unit=work_unit))
+        return Offer(result, why)
 
 
 def _fitting_work_unit(
@@ -247,13 +267,18 @@ def _stage_claimed(*, work_unit: WorkUnit, device_id: int | None) -> bool:
 
 
 def _send(
-    *, work_unit: WorkUnit, samples: int, user: User, volunteer: Volunteer, device: Device | None
+    *,
+    work_unit: WorkUnit,
+    samples: int,
+    user: User,
+    volunteer: Volunteer,
+    device: Device | None,
+    limits: fitting.Limits,
 ) -> Result:
     speed = _device_samples(work_unit=work_unit, device=device) if device else samples
     _split_to_fit(work_unit=work_unit, samples=min(samples, speed))
     if device is not None:
-        fitting.download_record(device=device, work_unit=work_unit)
-    usage_charge(project_id=work_unit.project_id, flops=stages.unit_flops(work_unit=work_unit))
+        fitting.download_record(device=device, work_unit=work_unit, today=limits.today)
     work_unit.wanted -= 1
     work_unit.total_results += 1
     _plan_spot_check(work_unit=work_unit, volunteer=volunteer)

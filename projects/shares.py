@@ -7,8 +7,9 @@ BOINC's "recent estimated credit". Charging at sending rather than at crediting 
 the books: a scheduler that waited for credit would overshoot by every instance still being computed.
 
 The window: each project's recent FLOPs decay exponentially with a half-life of
-CROWDTRAIN["SHARE_HALF_LIFE_SECONDS"] (one row per project, ProjectUsage, updated in the sending transaction),
-so choosing a project reads one small row per running project and never scans the history.
+CROWDTRAIN["SHARE_HALF_LIFE_SECONDS"] (one row per project, ProjectUsage, updated by one statement at the end
+of the sending transaction), so choosing a project reads one small row per running project and never scans
+the history.
 
 The choice: the running project with the least recent FLOPs per unit of share (furthest below its share)
 first, then the next, and so on; the scheduler takes the first project in that order that has work to send,
@@ -21,7 +22,7 @@ from __future__ import annotations
 from datetime import datetime
 
 from django.conf import settings
-from django.db import transaction
+from django.db import connection
 from django.utils import timezone
 
 from projects.models import Project, ProjectUsage
@@ -55,19 +56,32 @@ def _per_share(*, flops: float, share: int) -> float:
     return flops / share if share else flops
 
 
+# One statement: the row is locked only while it runs (and until the caller commits, which it does next),
+# where SELECT ... FOR UPDATE then UPDATE held it through the rest of the sending transaction, so every
+# volunteer's assignment queued behind the others' on this one hot row (issue 15).
+_CHARGE = """
+INSERT INTO {table} AS u (project_id, recent_flops, updated_at) VALUES (%(project)s, %(flops)s, %(now)s)
+ON CONFLICT (project_id) DO UPDATE SET
+    recent_flops = u.recent_flops
+        * power(0.5, greatest(0, extract(epoch FROM EXCLUDED.updated_at - u.updated_at)) / %(half_life)s)
+        + EXCLUDED.recent_flops,
+    updated_at = greatest(u.updated_at, EXCLUDED.updated_at)
+"""
+
+
 def usage_charge(*, project_id: int, flops: int) -> None:
-    """Count `flops` sent to volunteers for the project now (inside the sending transaction: an assignment
-    rolled back is not charged)."""
-    now = timezone.now()
-    with transaction.atomic():
-        # The same three queries whether the row exists yet or not.
-        ProjectUsage.objects.bulk_create(
-            [ProjectUsage(project_id=project_id, updated_at=now)], ignore_conflicts=True
+    """Count `flops` sent to volunteers for the project now. Inside the sending transaction (an assignment
+    rolled back is not charged), as its last statement: the usage row stays locked until the commit."""
+    with connection.cursor() as cursor:
+        cursor.execute(
+            _CHARGE.format(table=connection.ops.quote_name(ProjectUsage._meta.db_table)),
+            {
+                "project": project_id,
+                "flops": float(flops),
+                "now": timezone.now(),
+                "half_life": float(settings.CROWDTRAIN["SHARE_HALF_LIFE_SECONDS"]),
+            },
         )
-        usage = ProjectUsage.objects.select_for_update().get(project_id=project_id)
-        usage.recent_flops = decayed(flops=usage.recent_flops, since=usage.updated_at, now=now) + flops
-        usage.updated_at = now
-        usage.save(update_fields=["recent_flops", "updated_at"])
 
 
 def usage_split() -> dict[int, float]:

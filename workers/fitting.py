@@ -35,6 +35,8 @@ class Limits:
     memory_bytes: int | None = None  # its memory (the device's)
     download_left: int | None = None  # its download (what is left of today's allowance)
     sent: frozenset[str] = frozenset()  # blobs the device already has
+    # The device's row of today, locked by limits_for: download_record updates it without reading it again.
+    today: DeviceDownload | None = None
 
 
 @dataclass(frozen=True)
@@ -56,6 +58,7 @@ def limits_for(*, device: Device | None, preferences: Preferences, memory_mb: fl
         memory_bytes=memory,
         download_left=None if allowance is None else max(0, allowance - today.bytes),
         sent=frozenset(today.blobs),
+        today=today,
     )
 
 
@@ -106,9 +109,10 @@ def _model_memory(sha256: str) -> tuple[int, int]:
     return params, activation_memory(graph).train_bytes
 
 
-def download_record(*, device: Device, work_unit: WorkUnit) -> None:
-    """Count `work_unit`'s download against the device's day (inside the sending transaction)."""
-    today = _today(device_id=device.pk)
+def download_record(*, device: Device, work_unit: WorkUnit, today: DeviceDownload | None = None) -> None:
+    """Count `work_unit`'s download against the device's day (inside the sending transaction). `today`: the
+    device's row of today as limits_for locked it in this transaction (read again if not given)."""
+    today = today if today is not None and today.device_id == device.pk else _today(device_id=device.pk)
     today.record(work_unit_blobs(work_unit))
     today.save(update_fields=["bytes", "work_units", "blobs"])
 

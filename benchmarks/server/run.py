@@ -5,6 +5,8 @@
 - aggregation (benchmarks/server/aggregation.py): one ResNet-18-sized int8 update checked and folded into
   its round, and one version published, before (the code as it was, benchmarks/server/before.py) and after,
   side by side in one run; prints a table and writes benchmarks/results/server-aggregation.json.
+- work-unit throughput (benchmarks/server/throughput.py, its own process and stacks; `make bench-server`
+  runs it after this one): volunteers vs units/s, CPU and database time per unit, deadlocks, before/after.
 
 The database named by --database on the local PostgreSQL is dropped and created anew, blobs go to a
 temporary directory (removed at the end) and Celery runs eagerly in this process.

@@ -15,6 +15,7 @@ from django.utils import timezone
 
 from projects import lifecycle, training, validation
 from projects.models import DatasetShard, ModelVersion, Project, Result, WorkUnit
+from workers.models import Volunteer
 from workers.services import device_register
 
 pytestmark = pytest.mark.django_db
@@ -332,3 +333,167 @@ def test_a_refusal_does_not_lock_the_project_row(mlp_project: Project, volunteer
         thread.start()
         thread.join(30)
     assert outcome == ["locked"]
+
+
+# --- assignment and feeding: per-unit costs --------------------------------------------------------------
+
+
+def _all_handed_out(project: Project, user: User) -> None:
+    """The current round fed and every one of its units sent: what a volunteer returning a result meets."""
+    lifecycle.work_units_feed(project_id=project.pk)
+    WorkUnit.objects.filter(project=project).update(wanted=0)
+
+
+def test_an_idle_ready_costs_two_queries_once_the_round_is_handed_out(
+    mlp_project: Project, volunteer_user: User
+) -> None:
+    """Every volunteer that returns a result asks for more and, once the round is all sent, is told idle:
+    it chose among the open units under locks (8 queries, and 2 more inserts and locks of its device's day)
+    to learn that none was left. Now it is the volunteer's row and one EXISTS."""
+    device = device_register(user=volunteer_user, client_id="b", backend="wasm", gflops=5.0, user_agent="")
+    _all_handed_out(mlp_project, volunteer_user)
+    with CaptureQueriesContext(connection) as queries:
+        offer = lifecycle.work_unit_offer(user=volunteer_user, device=device)
+    assert offer.result is None and offer.why == "no_work"
+    assert len(queries) == 2, [q["sql"][:80] for q in queries.captured_queries]
+
+
+def _feed_queries(project: Project, *, units: int) -> int:
+    Project.objects.filter(pk=project.pk).update(batch_size=1, round_samples=units, crowd_rounds=False)
+    WorkUnit.objects.filter(project=project).delete()
+    with CaptureQueriesContext(connection) as queries:
+        assert lifecycle.work_units_feed(project_id=project.pk) == units
+    return len(queries)
+
+
+def test_feeding_a_round_of_256_units_costs_the_queries_of_a_round_of_4(mlp_project: Project) -> None:
+    """A crowd-sized round has a unit per volunteer; each cost two queries (its shard, its INSERT)."""
+    few = _feed_queries(mlp_project, units=4)
+    assert _feed_queries(mlp_project, units=256) == few
+    offsets = list(
+        WorkUnit.objects.filter(project=mlp_project).order_by("pk").values_list("offset", flat=True)
+    )
+    assert offsets == list(range(4, 260))  # consecutive slices from the data cursor on, as before
+
+
+def _assignment_queries(user: User) -> list[str]:
+    with CaptureQueriesContext(connection) as queries:
+        assert lifecycle.work_unit_assign(user=user, device=user.volunteer.devices.get()) is not None
+    return [q["sql"] for q in queries.captured_queries]
+
+
+def test_an_assignment_costs_the_same_queries_with_4_or_200_units_and_volunteers(
+    mlp_project: Project,
+) -> None:
+    Project.objects.filter(pk=mlp_project.pk).update(batch_size=1, round_samples=4, crowd_rounds=False)
+    WorkUnit.objects.filter(project=mlp_project).delete()
+    lifecycle.work_units_feed(project_id=mlp_project.pk)
+    users = _crowd(3)
+    few = _assignment_queries(users[0])
+    _crowd_more(200)
+    Project.objects.filter(pk=mlp_project.pk).update(round_samples=204)
+    lifecycle.work_units_feed(project_id=mlp_project.pk)
+    many = _assignment_queries(users[1])
+    assert len(many) == len(few)
+    # The device's row of today is read (and locked) once, where it was read twice: insert, select, update.
+    assert sum('"workers_devicedownload"' in sql for sql in many) == 3
+
+
+def _crowd_more(count: int) -> None:
+    users = User.objects.bulk_create([User(username=f"more-{i:03d}") for i in range(count)])
+    for user in users:
+        device_register(user=user, client_id=f"more-{user.pk}", backend="wasm", gflops=5.0, user_agent="")
+
+
+@pytest.mark.django_db(transaction=True)
+def test_an_assignment_leaves_the_project_usage_row_unlocked_until_its_last_statement(
+    mlp_project: Project, volunteer_user: User, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every assignment charges its project's usage row (fair share). It read the row FOR UPDATE in the middle
+    of the sending transaction, so each volunteer's assignment waited for the one before to commit. Now the
+    charge is one statement, the last: while the unit is chosen, fitted and recorded, the row is free."""
+    from projects.models import ProjectUsage
+
+    ProjectUsage.objects.create(project=mlp_project)
+    lifecycle.work_units_feed(project_id=mlp_project.pk)
+    outcome: list[str] = []
+    choose = lifecycle._why_chosen
+
+    def lock_usage() -> None:
+        try:
+            with transaction.atomic():
+                ProjectUsage.objects.select_for_update(nowait=True).get(project=mlp_project)
+            outcome.append("free")
+        except DatabaseError as exc:
+            outcome.append(type(exc).__name__)
+        finally:
+            connection.close()
+
+    def chosen_while_probing(**kwargs: Any) -> str:
+        thread = threading.Thread(target=lock_usage)
+        thread.start()
+        thread.join(30)
+        return choose(**kwargs)
+
+    monkeypatch.setattr(lifecycle, "_why_chosen", chosen_while_probing)
+    result = lifecycle.work_unit_assign(user=volunteer_user)
+    assert result is not None and outcome == ["free"]
+    assert ProjectUsage.objects.get(project=mlp_project).recent_flops > 0  # charged all the same
+
+
+@pytest.mark.django_db(transaction=True)
+def test_concurrent_assignments_never_send_a_unit_twice(mlp_project: Project) -> None:
+    Project.objects.filter(pk=mlp_project.pk).update(batch_size=1, round_samples=40, crowd_rounds=False)
+    WorkUnit.objects.filter(project=mlp_project).delete()
+    lifecycle.work_units_feed(project_id=mlp_project.pk)
+    users = _crowd(12)
+    Volunteer.objects.update(consecutive_valid=1000)  # trusted: no replicas asked for
+    Project.objects.filter(pk=mlp_project.pk).update(spot_check_rate=0.0)
+    sent: list[int] = []
+
+    def volunteer(user: User) -> None:
+        try:
+            device = user.volunteer.devices.get()
+            while (result := lifecycle.work_unit_assign(user=user, device=device)) is not None:
+                sent.append(result.work_unit_id)
+        finally:
+            connection.close()
+
+    threads = [threading.Thread(target=volunteer, args=(user,)) for user in users]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(120)
+    assert len(sent) == len(set(sent)) == 40
+    assert Result.objects.filter(status="in_progress").count() == 40
+
+
+def _rows_read(table: str) -> int:
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "SELECT coalesce(seq_tup_read, 0) + coalesce(idx_tup_fetch, 0) FROM pg_stat_xact_user_tables "
+            "WHERE relname = %s",
+            [table],
+        )
+        return int(cursor.fetchone()[0])
+
+
+def _norm_check_reads(project: Project) -> int:
+    before = _rows_read("projects_workunit") + _rows_read("projects_result")
+    assert len(validation._recent_norms(project=project)) == validation.NORM_HISTORY
+    return _rows_read("projects_workunit") + _rows_read("projects_result") - before
+
+
+def test_the_norm_history_reads_the_same_rows_after_2000_or_20000_results(
+    mlp_project: Project, second_project: Project
+) -> None:
+    """Every validation reads the project's last 20 valid norms. Joined to the work units in SQL, PostgreSQL
+    without fresh statistics walked all the project's work units for each of the 20: 85% of the database's
+    time at 32 volunteers after ten minutes of the throughput benchmark."""
+    _history(mlp_project, units=2000)
+    _forget_statistics()
+    small = _norm_check_reads(mlp_project)
+    _history(second_project, units=20000)
+    _forget_statistics()
+    large = _norm_check_reads(second_project)
+    assert large <= small <= 3 * validation.NORM_SCAN, (small, large)
