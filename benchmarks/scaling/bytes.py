@@ -58,6 +58,7 @@ SETTINGS = [
     Setting("int4 avg, int4 deltas", 3000, 0.05, 1.0, "int4", "delta:int4", "int4"),
     Setting("topk 1/64 avg, int4 deltas", 3000, 0.05, 1.0, "topk", "delta:int4", "int4"),
     Setting("topk 1/64 avg, topk 1/16 deltas", 3000, 0.05, 1.0, "topk", "delta:topk", "int4", down_keep=256),
+    Setting("topk 1/64 avg, topk 1/64 deltas", 3000, 0.05, 1.0, "topk", "delta:topk", "int4"),
     Setting(
         "topk 1/64 avg 6k units, topk 1/16 deltas", 6000, 0.05, 1.0, "topk", "delta:topk", "int4",
         down_keep=256,
@@ -178,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = {}
     print(f"{'setting':44s} {'rounds':>6s} {'last':>6s} {'up MB':>8s} {'down MB':>8s} {'ratio':>9s}", flush=True)
     for setting in chosen:
-        result = run(setting, data, args.target, limit=400 if not setting.local_lr else 40)
+        result = run(setting, data, args.target, limit=400 if not setting.local_lr else 25)
         rows[setting.name] = _row(setting, result, args.target, rows)
         r = rows[setting.name]
         print(
