@@ -28,6 +28,7 @@ from engine import lowbit
 
 CODECS = ("fp32", "fp16", "int8", "int4", "topk")
 LOWBIT = ("int4", "topk")
+FEEDBACK = ("int8", "int4", "topk")  # lossy enough that volunteers carry what they drop (ErrorFeedback)
 SCALE_SUFFIX = ":scale"
 INDEX_SUFFIX = ":index"
 SHAPE_PREFIX = "shape:"  # metadata: the dense shape of an int4 or topk tensor, as "d0,d1,..."
