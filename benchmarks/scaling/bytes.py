@@ -56,17 +56,14 @@ SETTINGS = [
     Setting("fp32 sync (baseline)", 64, 0, 0.2, "fp32", "full:fp32"),
     Setting("int8 avg, int8 weights (today)", 3000, 0.05, 1.0, "int8", "full:int8"),
     Setting("int4 avg, int4 deltas", 3000, 0.05, 1.0, "int4", "delta:int4", "int4"),
-    Setting("topk 1/64 avg, int4 deltas", 3000, 0.05, 1.0, "topk", "delta:int4", "int4"),
-    Setting("topk 1/64 avg, topk 1/16 deltas", 3000, 0.05, 1.0, "topk", "delta:topk", "int4", down_keep=256),
-    Setting("topk 1/64 avg, topk 1/64 deltas", 3000, 0.05, 1.0, "topk", "delta:topk", "int4"),
+    # More local steps a round: 188 steps of 64 per work unit, a round 3.2 epochs.
+    Setting("int4 avg 12k units, int4 deltas", 12000, 0.05, 1.0, "int4", "delta:int4", "int4"),
+    Setting("topk 1/16 avg 12k units, int4 deltas", 12000, 0.05, 1.0, "topk", "delta:int4", "int4", up_keep=256),
     Setting(
-        "topk 1/64 avg 6k units, topk 1/16 deltas", 6000, 0.05, 1.0, "topk", "delta:topk", "int4",
-        down_keep=256,
+        "topk 1/16 avg 12k units, topk 1/16 deltas", 12000, 0.05, 1.0, "topk", "delta:topk", "int4",
+        up_keep=256, down_keep=256,
     ),
-    Setting(
-        "topk 1/256 avg 6k units, topk 1/64 deltas", 6000, 0.05, 1.0, "topk", "delta:topk", "int4",
-        up_keep=16,
-    ),
+    Setting("topk 1/64 avg 12k units, int4 deltas", 12000, 0.05, 1.0, "topk", "delta:int4", "int4"),
 ]
 
 
@@ -179,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = {}
     print(f"{'setting':44s} {'rounds':>6s} {'last':>6s} {'up MB':>8s} {'down MB':>8s} {'ratio':>9s}", flush=True)
     for setting in chosen:
-        result = run(setting, data, args.target, limit=400 if not setting.local_lr else 25)
+        result = run(setting, data, args.target, limit=400 if not setting.local_lr else max(6, 25 * 3000 // setting.unit))
         rows[setting.name] = _row(setting, result, args.target, rows)
         r = rows[setting.name]
         print(

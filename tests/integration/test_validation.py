@@ -94,11 +94,26 @@ def test_trusted_volunteers_skip_spot_checks_but_not_the_norm_check(
     assert outcome.status == "invalid" and "norm" in outcome.reason
 
 
-@pytest.mark.parametrize("codec", ["fp32", "fp16", "int8"])
+@pytest.mark.parametrize("codec", ["fp32", "fp16", "int8", "int4", "topk"])
 def test_every_codec_is_accepted(mlp_project: Project, volunteer_user: User, codec: str) -> None:
     Project.objects.filter(pk=mlp_project.pk).update(codec=codec)
     result = assign(volunteer_user)
     assert receive(volunteer_user, result).status == "valid"
+    assert judged(result).spot_checked
+
+
+@pytest.mark.parametrize("codec", ["int4", "topk"])
+@pytest.mark.parametrize("how", ["sign_flip", "scaled", "random"])
+def test_lossy_codecs_still_catch_tampered_updates(
+    mlp_project: Project, volunteer_user: User, codec: str, how: str
+) -> None:
+    """int4's wider tolerance and topk's statistical check (an honest topk update is far from the server's
+    in L2) still refuse the attacks."""
+    Project.objects.filter(pk=mlp_project.pk).update(codec=codec)
+    result = assign(volunteer_user)
+    outcome = receive(volunteer_user, result, tampered(result.work_unit, how))
+    assert outcome.status == "invalid", outcome.reason
+    assert judged(result).spot_checked
 
 
 @pytest.mark.parametrize(
