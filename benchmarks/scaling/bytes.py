@@ -26,12 +26,12 @@ from dataclasses import asdict, dataclass
 import torch
 
 from engine import aggregate, codecs, optim
+from engine.graph import load_graph
 from engine.presets import export_preset
 from engine.runtime import compute_gradients, evaluate, local_steps
 
 from .config import LOCAL_MINIBATCH, RESULTS, UNITS_PER_ROUND
 from .offline import fashion
-from engine.graph import load_graph
 
 Tensors = dict[str, torch.Tensor]
 GOAL = 1 / 400
@@ -58,10 +58,19 @@ SETTINGS = [
     Setting("int4 avg, int4 deltas", 3000, 0.05, 1.0, "int4", "delta:int4", "int4"),
     # More local steps a round: 188 steps of 64 per work unit, a round 3.2 epochs.
     Setting("int4 avg 12k units, int4 deltas", 12000, 0.05, 1.0, "int4", "delta:int4", "int4"),
-    Setting("topk 1/16 avg 12k units, int4 deltas", 12000, 0.05, 1.0, "topk", "delta:int4", "int4", up_keep=256),
     Setting(
-        "topk 1/16 avg 12k units, topk 1/16 deltas", 12000, 0.05, 1.0, "topk", "delta:topk", "int4",
-        up_keep=256, down_keep=256,
+        "topk 1/16 avg 12k units, int4 deltas", 12000, 0.05, 1.0, "topk", "delta:int4", "int4", up_keep=256
+    ),
+    Setting(
+        "topk 1/16 avg 12k units, topk 1/16 deltas",
+        12000,
+        0.05,
+        1.0,
+        "topk",
+        "delta:topk",
+        "int4",
+        up_keep=256,
+        down_keep=256,
     ),
     Setting("topk 1/64 avg 12k units, int4 deltas", 12000, 0.05, 1.0, "topk", "delta:int4", "int4"),
 ]
@@ -167,16 +176,27 @@ def _volunteer(setting: Setting, graph, inp: str, tgt: str) -> Callable[..., Ten
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--target", type=float, default=0.84)
-    parser.add_argument("--only", nargs="*", help="settings whose name contains one of these (and the baseline)")
+    parser.add_argument(
+        "--only", nargs="*", help="settings whose name contains one of these (and the baseline)"
+    )
     args = parser.parse_args(argv)
     data = fashion()
     chosen = [s for s in SETTINGS if s is SETTINGS[0] or not args.only or any(o in s.name for o in args.only)]
     rows = {}
-    print(f"{'setting':44s} {'rounds':>6s} {'last':>6s} {'up MB':>8s} {'down MB':>8s} {'ratio':>9s}", flush=True)
+    print(
+        f"{'setting':44s} {'rounds':>6s} {'last':>6s} {'up MB':>8s} {'down MB':>8s} {'ratio':>9s}", flush=True
+    )
     for setting in chosen:
-        result = run(setting, data, args.target, limit=400 if not setting.local_lr else max(6, 25 * 3000 // setting.unit))
+        result = run(
+            setting,
+            data,
+            args.target,
+            limit=400 if not setting.local_lr else max(6, 25 * 3000 // setting.unit),
+        )
         rows[setting.name] = _row(setting, result, args.target, rows)
         r = rows[setting.name]
         print(
@@ -216,8 +236,11 @@ def _report(target: float, rows: dict[str, dict]) -> dict:  # type: ignore[type-
         "target": target,
         "units_per_round": UNITS_PER_ROUND,
         "goal_ratio": GOAL,
-        "best": {"setting": best, "ratio": reached.get(best or "", math.nan), "meets_goal": bool(best)
-                 and reached[best] <= GOAL},
+        "best": {
+            "setting": best,
+            "ratio": reached.get(best or "", math.nan),
+            "meets_goal": bool(best) and reached[best] <= GOAL,
+        },
         "settings": rows,
     }
 

@@ -31,12 +31,18 @@ def sample_tensors() -> dict[str, torch.Tensor]:
 def browser_encode(
     page: Any, tensors: dict[str, torch.Tensor], codec: str, block: int, keep: int | None = None
 ) -> bytes:
-    encoded = page.evaluate("([t, c, b, k]) => harness.encode(t, c, b, k)", [b64(tensors), codec, block, keep])
+    encoded = page.evaluate(
+        "([t, c, b, k]) => harness.encode(t, c, b, k)", [b64(tensors), codec, block, keep]
+    )
     return base64.b64decode(encoded)
 
 
-@pytest.mark.parametrize(("codec", "block", "keep"), [("int4", 256, None), ("int4", 6, None), ("topk", 64, 5)])
-def test_int4_and_topk_from_browser_are_python_bytes(harness: Any, codec: str, block: int, keep: int | None) -> None:
+@pytest.mark.parametrize(
+    ("codec", "block", "keep"), [("int4", 256, None), ("int4", 6, None), ("topk", 64, 5)]
+)
+def test_int4_and_topk_from_browser_are_python_bytes(
+    harness: Any, codec: str, block: int, keep: int | None
+) -> None:
     """Byte for byte (metadata, packing, top-k choice with ties, offsets, int8 values and scales)."""
     tensors = sample_tensors()
     data = browser_encode(harness, tensors, codec, block, keep)

@@ -206,7 +206,12 @@ def _topk(offsets: list[int], elements: int = 8, block: int = 4, keep: int = 2, 
     m, blocks = len(offsets), math.ceil(elements / block)
     body = struct.pack(f"<{blocks}f", *[1.0] * blocks) + struct.pack(f"<{m}h", *offsets) + bytes([1] * m)
     header = {
-        "__metadata__": {"codec": "topk", "block_size": str(block), "keep": str(keep), "shape:w": str(elements)}
+        "__metadata__": {
+            "codec": "topk",
+            "block_size": str(block),
+            "keep": str(keep),
+            "shape:w": str(elements),
+        }
         | extra,
         "w:scale": {"dtype": "F32", "shape": [blocks], "data_offsets": [0, 4 * blocks]},
         "w:index": {"dtype": "I16", "shape": [m], "data_offsets": [4 * blocks, 4 * blocks + 2 * m]},

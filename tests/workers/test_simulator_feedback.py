@@ -33,6 +33,4 @@ def test_a_new_codec_starts_a_fresh_residual() -> None:
     simulator.encode(unit(3, "int8"), update)
     first_topk = codecs.decode(simulator.encode(unit(3, "topk"), update))[0]["w"]
     assert torch.equal(first_topk, codecs.decode(codecs.encode(update, "topk", 4096))[0]["w"])
-    assert torch.equal(
-        codecs.decode(simulator.encode(unit(3, "fp32"), update))[0]["w"], update["w"]
-    )
+    assert torch.equal(codecs.decode(simulator.encode(unit(3, "fp32"), update))[0]["w"], update["w"])
