@@ -181,10 +181,10 @@ def test_error_feedback_sends_everything_eventually(codec: str, keep: int | None
     true sum far better than compressing each update alone."""
     updates = ef_updates()
     feedback = ErrorFeedback(codec, 64, keep)
-    sent = sum(decode(feedback.compress(u))[0]["w"] for u in updates)
-    true = sum(u["w"] for u in updates)
+    sent = torch.stack([decode(feedback.compress(u))[0]["w"] for u in updates]).sum(0)
+    true = torch.stack([u["w"] for u in updates]).sum(0)
     torch.testing.assert_close(sent + feedback.residual["w"], true, atol=1e-5, rtol=1e-5)
-    plain = sum(decode(encode(u, codec, 64, keep=keep))[0]["w"] for u in updates)
+    plain = torch.stack([decode(encode(u, codec, 64, keep=keep))[0]["w"] for u in updates]).sum(0)
     assert float((sent - true).norm()) < 0.5 * float((plain - true).norm())
 
 
@@ -201,7 +201,9 @@ def _blob(header: dict[str, object], body: bytes) -> bytes:
     return struct.pack("<Q", len(raw)) + raw + body
 
 
-def _topk(offsets: list[int], elements: int = 8, block: int = 4, keep: int = 2, **extra: str) -> bytes:
+def _topk(
+    offsets: list[int], elements: int = 8, block: int = 4, keep: int = 2, extra: dict[str, str] | None = None
+) -> bytes:
     """A handwritten topk blob of one tensor 'w', with the given offsets."""
     m, blocks = len(offsets), math.ceil(elements / block)
     body = struct.pack(f"<{blocks}f", *[1.0] * blocks) + struct.pack(f"<{m}h", *offsets) + bytes([1] * m)
@@ -212,7 +214,7 @@ def _topk(offsets: list[int], elements: int = 8, block: int = 4, keep: int = 2, 
             "keep": str(keep),
             "shape:w": str(elements),
         }
-        | extra,
+        | (extra or {}),
         "w:scale": {"dtype": "F32", "shape": [blocks], "data_offsets": [0, 4 * blocks]},
         "w:index": {"dtype": "I16", "shape": [m], "data_offsets": [4 * blocks, 4 * blocks + 2 * m]},
         "w": {"dtype": "I8", "shape": [m], "data_offsets": [4 * blocks + 2 * m, 4 * blocks + 3 * m]},
@@ -236,12 +238,12 @@ def test_a_handwritten_topk_blob_decodes() -> None:
         (_topk([0, 1, 0]), "malformed"),  # fewer
         (_topk([0, 1, 0, 1], keep=0), "keep"),
         (_topk([0, 1, 0, 1], keep=5), "keep"),
-        (_topk([0, 1, 0, 1], **{"keep": "2x"}), "keep"),
+        (_topk([0, 1, 0, 1], extra={"keep": "2x"}), "keep"),
         (_topk([0, 1, 0, 1], block=1 << 16), "keep|topk block_size"),
-        (_topk([0, 1, 0, 1], **{"shape:w": "2,x"}), "dense shape"),
-        (_topk([0, 1, 0, 1], **{"shape:w": "1," * 17 + "8"}), "dense shape"),
-        (_topk([0, 1, 0, 1], **{"shape:w": "8", "shape:v": "3"}), "malformed"),  # no such tensor
-        (_topk([0, 1, 0, 1], **{"shape:w": "65536,65536"}), "elements"),  # a small blob claiming 16 GB
+        (_topk([0, 1, 0, 1], extra={"shape:w": "2,x"}), "dense shape"),
+        (_topk([0, 1, 0, 1], extra={"shape:w": "1," * 17 + "8"}), "dense shape"),
+        (_topk([0, 1, 0, 1], extra={"shape:w": "8", "shape:v": "3"}), "malformed"),  # no such tensor
+        (_topk([0, 1, 0, 1], extra={"shape:w": "65536,65536"}), "elements"),  # a small blob claiming 16 GB
     ],
 )
 def test_hostile_topk_blobs_are_codec_errors(data: bytes, message: str) -> None:
