@@ -944,3 +944,38 @@ class ErrorFeedback:
         sent, _ = decode(data)
         self.residual = {name: corrected[name] - sent[name] for name in corrected}
         return data
+
+
+class WeightsDeltas:
+    """Weights sent down as deltas: the first download whole (in `first_codec`), then each new version as
+    its difference to the weights volunteers already hold, compressed (int4, or topk for the largest
+    changes). The server keeps what they hold (`held`, which they train from and spot checks recompute
+    from), so what one delta drops is in the next: error feedback on the way down.
+
+    A volunteer applies the blobs in order, held += decode(delta) in float32, and holds exactly `held`.
+    """
+
+    def __init__(
+        self,
+        weights: Mapping[str, Tensor],
+        codec: str = "topk",
+        first_codec: str = "int4",
+        block_size: int | None = None,
+        keep: int | None = None,
+    ) -> None:
+        self.first = encode(weights, first_codec, default_block_size(first_codec))
+        self.held: dict[str, Tensor] = decode(self.first)[0]
+        self.codec, self.keep = codec, keep
+        self.block_size = block_size or default_block_size(codec)
+
+    def delta(self, weights: Mapping[str, Tensor]) -> bytes:
+        """The blob taking `held` towards `weights` (held then moves by what it carries)."""
+        data = encode(
+            {name: weights[name] - self.held[name] for name in self.held},
+            self.codec,
+            self.block_size,
+            keep=self.keep,
+        )
+        for name, value in decode(data)[0].items():
+            self.held[name] = self.held[name] + value
+        return data

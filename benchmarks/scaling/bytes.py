@@ -92,27 +92,25 @@ class Server:
 
     def __init__(self, setting: Setting, weights: Tensors) -> None:
         self.kind, _, self.codec = setting.down.partition(":")
-        self.setting = setting
+        self.setting, self.state, self.first = setting, dict[str, torch.Tensor](), True
+        self.deltas = None
         if self.kind == "delta":
-            weights = codecs.decode(codecs.encode(weights, setting.init))[0]
-        self.weights, self.held = weights, {k: v.clone() for k, v in weights.items()}
-        self.state: Tensors = {}
-        self.first = True
+            self.deltas = codecs.WeightsDeltas(
+                weights, self.codec, setting.init, setting.down_block, setting.down_keep
+            )
+            weights = {k: v.clone() for k, v in self.deltas.held.items()}  # the server starts from them
+        self.weights = weights
 
     def download(self) -> tuple[Tensors, int]:
         """What each volunteer trains from this round, and the bytes one of them downloads."""
-        if self.kind == "full":
+        if self.deltas is None:
             data = codecs.encode(self.weights, self.codec)
             return codecs.decode(data)[0], len(data)
         if self.first:
             self.first = False
-            return self.held, len(codecs.encode(self.held, self.setting.init))
-        block = self.setting.down_block or codecs.default_block_size(self.codec)
-        delta = {k: self.weights[k] - self.held[k] for k in self.weights}
-        data = codecs.encode(delta, self.codec, block, keep=self.setting.down_keep)
-        for name, value in codecs.decode(data)[0].items():
-            self.held[name] = self.held[name] + value
-        return self.held, len(data)
+            return self.deltas.held, len(self.deltas.first)
+        size = len(self.deltas.delta(self.weights))
+        return self.deltas.held, size
 
     def step(self, mean: Tensors) -> None:
         s = self.setting
