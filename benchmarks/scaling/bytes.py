@@ -200,6 +200,7 @@ def main(argv: list[str] | None = None) -> int:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--target", type=float, default=0.84)
+    parser.add_argument("--output", default="bytes.json", help="file name in benchmarks/results/")
     parser.add_argument(
         "--only", nargs="*", help="settings whose name contains one of these (and the baseline)"
     )
@@ -225,7 +226,7 @@ def main(argv: list[str] | None = None) -> int:
             flush=True,
         )
         # After every setting: a run cut short keeps what it measured.
-        (RESULTS / "bytes.json").write_text(json.dumps(_report(args.target, rows), indent=1))
+        (RESULTS / args.output).write_text(json.dumps(_report(args.target, rows), indent=1))
     return 0
 
 
