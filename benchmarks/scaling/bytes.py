@@ -51,6 +51,7 @@ class Setting:
     up_keep: int | None = None
     down_block: int | None = None
     down_keep: int | None = None
+    server_momentum: float = 0.9  # 0 with server_lr 1: plain model averaging
 
 
 SETTINGS = [
@@ -81,6 +82,27 @@ SETTINGS = [
     ),
     Setting("int4 avg 12k units, int4 deltas", 12000, 0.05, 1.0, "int4", "delta:int4", "int4"),
     Setting("int4 avg 3k units, int4 deltas", 3000, 0.05, 1.0, "int4", "delta:int4", "int4"),
+    # Plain model averaging (no outer momentum, whose first step is 1.9x the mean delta).
+    Setting(
+        "int4 model averaging 24k units, int4 deltas",
+        24000,
+        0.05,
+        1.0,
+        "int4",
+        "delta:int4",
+        "int4",
+        server_momentum=0.0,
+    ),
+    Setting(
+        "int4 model averaging 48k units, int4 deltas",
+        48000,
+        0.05,
+        1.0,
+        "int4",
+        "delta:int4",
+        "int4",
+        server_momentum=0.0,
+    ),
     Setting(
         "topk 1/16 avg 24k units, topk 1/16 deltas",
         24000,
@@ -134,7 +156,7 @@ class Server:
         s = self.setting
         if s.local_lr:
             self.weights, self.state = optim.outer_nesterov_step(
-                self.weights, mean, self.state, lr=s.server_lr, momentum=0.9
+                self.weights, mean, self.state, lr=s.server_lr, momentum=s.server_momentum
             )
         else:
             self.weights, self.state = optim.sgd_step(
