@@ -94,6 +94,17 @@ SETTINGS = [
         server_momentum=0.0,
     ),
     Setting(
+        "topk 1/16 model averaging 24k units, int4 deltas",
+        24000,
+        0.05,
+        1.0,
+        "topk",
+        "delta:int4",
+        "int4",
+        up_keep=256,
+        server_momentum=0.0,
+    ),
+    Setting(
         "int4 model averaging 48k units, int4 deltas",
         48000,
         0.05,
