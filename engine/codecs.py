@@ -1,4 +1,5 @@
-"""Tensor codecs over safetensors (docs/protocol.md "Tensors"): fp32, fp16 and blockwise int8.
+"""Tensor codecs over safetensors (docs/protocol.md "Tensors"): fp32, fp16, blockwise int8 and int4, and
+sparse top-k (engine/lowbit.py).
 
 Decoding only ever parses safetensors (a JSON header plus raw little-endian arrays), so bytes from
 volunteers can never execute code; everything is validated and garbage raises CodecError. The arrays are
@@ -23,8 +24,19 @@ import numpy as np
 import torch
 from torch import Tensor
 
-CODECS = ("fp32", "fp16", "int8")
+from engine import lowbit
+
+CODECS = ("fp32", "fp16", "int8", "int4", "topk")
+LOWBIT = ("int4", "topk")
+FEEDBACK = ("int8", "int4", "topk")  # lossy enough that volunteers carry what they drop (ErrorFeedback)
 SCALE_SUFFIX = ":scale"
+INDEX_SUFFIX = ":index"
+SHAPE_PREFIX = "shape:"  # metadata: the dense shape of an int4 or topk tensor, as "d0,d1,..."
+# What an int4 or topk blob may declare in all (its dense tensors are allocated when decoded): the graph
+# format's own limit on a model's parameters (engine/spec.json), so that a small blob cannot claim more.
+MAX_ELEMENTS = 200_000_000
+DEFAULT_BLOCK_SIZES = {"int8": 256, "int4": 256, "topk": 4096}
+TOPK_DENSITY = 64  # topk's default keep: one value in this many (block_size // TOPK_DENSITY a block)
 MAX_BLOCK_SIZE = 1 << 20
 # Bounds on hostile headers (the safetensors library itself allows a 100 MB header, which takes seconds
 # and gigabytes to parse): real headers hold one short entry per tensor, a few KB.
@@ -83,9 +95,10 @@ def _as_tensor(value: Tensor | np.ndarray) -> Tensor:
     raise CodecError(f"expected a tensor or numpy array, got {type(value).__name__}")
 
 
-def quantize_int8(x: Tensor, block_size: int) -> tuple[Tensor, Tensor]:
-    """(int8 values with x's shape, one float32 absmax/127 scale per block of the flat tensor): per block,
-    round(x / scale) (x / 1 for an all-zero block, whose scale stays 0), a cache-sized chunk at a time."""
+def quantize_int8(x: Tensor, block_size: int, level: int = 127) -> tuple[Tensor, Tensor]:
+    """(int8 values with x's shape, one float32 absmax/level scale per block of the flat tensor): per block,
+    round(x / scale) (x / 1 for an all-zero block, whose scale stays 0), a cache-sized chunk at a time.
+    int4 is the same with level 7."""
     flat = x.detach().float().reshape(-1)
     q, scale = torch.empty(flat.shape, dtype=torch.int8), torch.empty(math.ceil(flat.numel() / block_size))
     (x_full, x_rest), (q_full, q_rest) = _rows(flat, block_size), _rows(q, block_size)
@@ -93,20 +106,19 @@ def quantize_int8(x: Tensor, block_size: int) -> tuple[Tensor, Tensor]:
     scratch, s_full = _scratch(min(full, rows) * block_size).view(-1, block_size), scale[:full]
     for first in range(0, full, rows):
         values = scratch if first + rows <= full else scratch[: full - first]
-        _quantize_rows(
-            x_full[first : first + rows], values, q_full[first : first + rows], s_full[first : first + rows]
-        )
+        rows_at = slice(first, first + rows)
+        _quantize_rows(x_full[rows_at], values, q_full[rows_at], s_full[rows_at], level)
     if x_rest.numel():
-        _quantize_rows(x_rest, torch.empty(x_rest.shape), q_rest, scale[full:])
+        _quantize_rows(x_rest, torch.empty(x_rest.shape), q_rest, scale[full:], level)
     return q.reshape(x.shape), scale
 
 
-def _quantize_rows(x: Tensor, work: Tensor, q: Tensor, scale: Tensor) -> None:
+def _quantize_rows(x: Tensor, work: Tensor, q: Tensor, scale: Tensor, level: int) -> None:
     torch.abs(x, out=work)
     torch.amax(work, dim=1, out=scale)
-    scale.div_(127.0)
+    scale.div_(float(level))
     torch.div(x, torch.where(scale > 0, scale, 1.0)[:, None], out=work)
-    q.copy_(work.round_().clamp_(-127, 127))
+    q.copy_(work.round_().clamp_(-level, level))
 
 
 def dequantize_int8(q: Tensor, scale: Tensor, block_size: int) -> Tensor:
@@ -144,6 +156,31 @@ def _int8_steps(
         yield q_rest.float(), s_rest, o_rest
 
 
+def _int4_steps(
+    packed: Tensor, scale: Tensor, block_size: int, shape: tuple[int, ...], out: Tensor | None = None
+) -> Iterator[tuple[Tensor, Tensor, Tensor]]:
+    """_int8_steps for int4: each chunk's nibbles unpacked into the cache-sized float32 copy."""
+    elements, half = math.prod(shape), block_size // 2
+    full = elements // block_size
+    p_full = packed[: full * half].view(full, half)
+    o_full, o_rest = _rows(out, block_size) if out is not None else (p_full, p_full[:0])
+    rows = max(1, CHUNK // block_size)
+    s_full, s_rest = scale[:full, None], scale[full:, None]
+    scratch = _scratch(min(full, rows) * block_size).view(-1, block_size)
+    for first in range(0, full, rows):
+        chunk = p_full[first : first + rows]
+        values = lowbit.unpack_nibbles_into(chunk, scratch[: chunk.shape[0]])
+        yield values, s_full[first : first + rows], o_full[first : first + rows]
+    rest = elements - full * block_size
+    if rest:
+        tail = packed[full * half :]
+        yield (
+            lowbit.unpack_nibbles_into(tail, torch.empty(2 * tail.numel()))[:rest].view(1, -1),
+            s_rest,
+            o_rest,
+        )
+
+
 _local = threading.local()
 
 
@@ -159,17 +196,43 @@ def _memory(t: Tensor) -> memoryview:
     return t.reshape(-1).view(torch.uint8).numpy().data
 
 
-def _encode_one(name: str, t: Tensor, codec: str, block_size: int, out: dict[str, Tensor]) -> None:
+def _encode_one(name: str, t: Tensor, codec: str, block_size: int, keep: int) -> dict[str, Tensor]:
     if t.dtype not in SAFETENSORS_DTYPES:
         raise CodecError(f"tensor '{name[:100]}': cannot encode {t.dtype}")
     if not t.is_floating_point():
-        out[name] = t.contiguous()  # labels/token ids travel unchanged
-    elif codec == "fp32":
-        out[name] = t.float().contiguous()
-    elif codec == "fp16":
-        out[name] = t.half().contiguous()
-    else:
-        out[name], out[name + SCALE_SUFFIX] = quantize_int8(t, block_size)
+        return {name: t.contiguous()}  # labels/token ids travel unchanged
+    if codec in ("fp32", "fp16"):
+        return {name: (t.float() if codec == "fp32" else t.half()).contiguous()}
+    if codec == "int8":
+        q, scale = quantize_int8(t, block_size)
+        return {name: q, name + SCALE_SUFFIX: scale}
+    if codec == "int4":
+        q, scale = quantize_int8(t, block_size, lowbit.INT4_LEVEL)
+        return {name: lowbit.pack_nibbles(q), name + SCALE_SUFFIX: scale}
+    offsets, values = lowbit.topk_select(t, block_size, keep)
+    q, scale = quantize_int8(values, keep)
+    return {name: q, name + INDEX_SUFFIX: offsets, name + SCALE_SUFFIX: scale}
+
+
+def default_block_size(codec: str) -> int:
+    """The block size volunteers and the server use for `codec` (256 for those without blocks)."""
+    return DEFAULT_BLOCK_SIZES.get(codec, 256)
+
+
+def default_keep(block_size: int) -> int:
+    """topk's values per block unless told: one in TOPK_DENSITY."""
+    return max(1, block_size // TOPK_DENSITY)
+
+
+def _check_options(codec: str, block_size: int, keep: int) -> None:
+    if codec not in CODECS:
+        raise CodecError(f"unknown codec {codec!r} (expected one of {list(CODECS)})")
+    if not 0 < block_size <= MAX_BLOCK_SIZE:
+        raise CodecError(f"block_size must be in 1..{MAX_BLOCK_SIZE}")
+    if codec == "int4" and block_size % 2:
+        raise CodecError("int4 needs an even block_size (two values a byte)")
+    if codec == "topk" and not (block_size <= lowbit.MAX_TOPK_BLOCK and 0 < keep <= block_size):
+        raise CodecError(f"topk needs block_size <= {lowbit.MAX_TOPK_BLOCK} and keep in 1..block_size")
 
 
 def encode(
@@ -177,9 +240,12 @@ def encode(
     codec: str = "fp32",
     block_size: int = 256,
     metadata: Mapping[str, str] | None = None,
+    *,
+    keep: int | None = None,
 ) -> bytes:
-    """safetensors bytes: the tensors (floats under `codec`) and metadata with the codec and block size."""
-    return b"".join(encode_parts(tensors, codec, block_size, metadata))
+    """safetensors bytes: the tensors (floats under `codec`) and metadata with the codec and block size
+    (and for topk the values kept per block, `keep`: default_keep(block_size) unless given)."""
+    return b"".join(encode_parts(tensors, codec, block_size, metadata, keep=keep))
 
 
 def encode_parts(
@@ -187,22 +253,26 @@ def encode_parts(
     codec: str = "fp32",
     block_size: int = 256,
     metadata: Mapping[str, str] | None = None,
+    *,
+    keep: int | None = None,
 ) -> list[memoryview]:
     """encode's bytes in pieces, to hash and write one after the other instead of joining them: the header,
     then each tensor's own memory where it can be (float32 tensors under fp32 are not copied). The pieces
     share memory with `tensors`, so use them before changing those."""
-    if codec not in CODECS:
-        raise CodecError(f"unknown codec {codec!r} (expected one of {list(CODECS)})")
-    if not 0 < block_size <= MAX_BLOCK_SIZE:
-        raise CodecError(f"block_size must be in 1..{MAX_BLOCK_SIZE}")
+    keep = default_keep(block_size) if keep is None else keep
+    _check_options(codec, block_size, keep)
     out: dict[str, Tensor] = {}
-    for name, value in tensors.items():
-        entries: dict[str, Tensor] = {}
-        _encode_one(name, _as_tensor(value), codec, block_size, entries)
-        if any(key in out or key == METADATA for key in entries):
-            raise CodecError(f"tensor '{name}' collides with a '{SCALE_SUFFIX}' scale entry or the metadata")
-        out.update(entries)
     meta = {**(metadata or {}), "codec": codec, "block_size": str(block_size)}
+    if codec == "topk":
+        meta["keep"] = str(keep)
+    for name, value in tensors.items():
+        t = _as_tensor(value)
+        entries = _encode_one(name, t, codec, block_size, keep)
+        if any(key in out or key == METADATA for key in entries):
+            raise CodecError(f"tensor '{name}' collides with a scale or index entry or the metadata")
+        if codec in LOWBIT and t.is_floating_point():
+            meta[SHAPE_PREFIX + name] = ",".join(str(d) for d in t.shape)
+        out.update(entries)
     if not all(isinstance(k, str) and isinstance(v, str) for k, v in meta.items()):
         raise CodecError("metadata keys and values must be strings")
     return _serialized(out, meta)
@@ -362,6 +432,16 @@ class _Gather:
 
 
 @dataclass(frozen=True)
+class _Lowbit:
+    """Where an int4 or topk tensor's parts are (byte offsets into the data after the header)."""
+
+    values: int  # int4: the packed bytes; topk: the int8 values
+    scales: int
+    count: int  # int4: packed bytes; topk: values kept
+    offsets: int = -1  # topk: the int16 offsets within blocks
+
+
+@dataclass(frozen=True)
 class _Layout:
     """A checked header: what a blob holds and where (byte offsets into the data after the header)."""
 
@@ -372,6 +452,16 @@ class _Layout:
     scales: dict[str, int]  # an int8 tensor's name: the offset of its float32 block scales
     scale_spans: tuple[tuple[int, int], ...]  # the bytes holding every scale, adjacent ranges merged
     gathers: dict[tuple[str, ...], _Gather | None] = field(default_factory=dict)
+    lowbit: dict[str, _Lowbit] = field(default_factory=dict)  # int4 and topk tensors
+    keep: int = 0  # topk: values per block
+
+    def scale_arrays(self) -> list[tuple[str, int, int]]:
+        """(tensor, offset, how many) of every float32 scale array."""
+        blocks = {
+            name: math.ceil(math.prod(self.tensors[name][1]) / self.block_size) for name in self.tensors
+        }
+        arrays = [(name, offset, blocks[name]) for name, offset in self.scales.items()]
+        return arrays + [(name, low.scales, blocks[name]) for name, low in self.lowbit.items()]
 
     def gather(self, names: tuple[str, ...]) -> _Gather | None:
         """The gather of the small int8 tensors among `names`, if any (and their scales are aligned)."""
@@ -424,11 +514,98 @@ def _new_layout(raw: bytes, buffer: int) -> _Layout:
         for name, info in header.items()
         if name != METADATA
     }
+    if codec in LOWBIT:
+        return _lowbit_layout(entries, codec, block_size, meta)
     if codec != "int8":
         if any(dtype == torch.int8 for dtype, _, _ in entries.values()):
             raise CodecError(f"int8 tensors in a {codec} blob")
         return _Layout(codec, block_size, meta, entries, {}, ())
     return _int8_layout(entries, block_size, meta)
+
+
+Entries = dict[str, tuple[torch.dtype, tuple[int, ...], int]]
+
+
+def _lowbit_layout(entries: Entries, codec: str, block_size: int, meta: dict[str, str]) -> _Layout:
+    """Each tensor with a dense shape in the metadata paired with its parts (then no tensors of their own);
+    the others (labels, ids) are plain."""
+    keep = _parse_keep(meta, block_size) if codec == "topk" else 0
+    if codec == "int4" and block_size % 2:
+        raise CodecError("int4 needs an even block_size")
+    shapes = {
+        key[len(SHAPE_PREFIX) :]: _parse_shape(key, raw)
+        for key, raw in meta.items()
+        if key.startswith(SHAPE_PREFIX)
+    }
+    if sum(math.prod(shape) for shape in shapes.values()) > MAX_ELEMENTS:
+        raise CodecError(f"the tensors declare more than {MAX_ELEMENTS:,} elements")
+    parts = {
+        name: _lowbit_parts(name, shape, entries, codec, block_size, keep) for name, shape in shapes.items()
+    }
+    taken = {part for found in parts.values() for part in found[1]}
+    tensors = {name: entries[name] for name in entries if name not in taken}
+    for name, shape in shapes.items():
+        tensors[name] = (entries[name][0], shape, entries[name][2])
+    lows = {name: found[0] for name, found in parts.items()}
+    spans = _spans(
+        [(low.scales, 4 * math.ceil(math.prod(shapes[n]) / block_size)) for n, low in lows.items()]
+    )
+    return _Layout(codec, block_size, meta, tensors, {}, spans, lowbit=lows, keep=keep)
+
+
+def _parse_keep(meta: Mapping[str, str], block_size: int) -> int:
+    raw = meta.get("keep", "")
+    if not (raw.isascii() and raw.isdigit() and len(raw) <= 9) or not 0 < int(raw) <= block_size:
+        raise CodecError(f"bad keep {raw[:20]!r} (1..block_size values per block)")
+    if block_size > lowbit.MAX_TOPK_BLOCK:
+        raise CodecError(f"topk block_size {block_size} (at most {lowbit.MAX_TOPK_BLOCK})")
+    return int(raw)
+
+
+def _parse_shape(key: str, raw: str) -> tuple[int, ...]:
+    dims = raw.split(",") if raw else []
+    if len(dims) > MAX_DIMS or not all(d.isascii() and d.isdigit() and len(d) <= 12 for d in dims):
+        raise CodecError(f"bad dense shape {raw[:40]!r} for {key[:100]!r}")
+    return tuple(int(d) for d in dims)
+
+
+def _lowbit_parts(
+    name: str, shape: tuple[int, ...], entries: Entries, codec: str, block_size: int, keep: int
+) -> tuple[_Lowbit, tuple[str, ...]]:
+    """An int4 or topk tensor's parts, checked against its dense shape: where they are, and their names."""
+    elements = math.prod(shape)
+    blocks = math.ceil(elements / block_size)
+    if codec == "int4":
+        want = {
+            name: (torch.uint8, (math.ceil(elements / 2),)),
+            name + SCALE_SUFFIX: (torch.float32, (blocks,)),
+        }
+    else:
+        count = (lowbit.topk_count(elements, block_size, keep),)
+        want = {
+            name: (torch.int8, count),
+            name + INDEX_SUFFIX: (torch.int16, count),
+            name + SCALE_SUFFIX: (torch.float32, (blocks,)),
+        }
+    for part, expected in want.items():
+        if part not in entries or entries[part][:2] != expected:
+            raise CodecError(
+                f"tensor '{name[:100]}': missing or malformed '{part[:120]}' for shape {shape[:8]}"
+            )
+    offsets = entries[name + INDEX_SUFFIX][2] if codec == "topk" else -1
+    found = _Lowbit(entries[name][2], entries[name + SCALE_SUFFIX][2], want[name][1][0], offsets)
+    return found, tuple(want)
+
+
+def _spans(ranges: list[tuple[int, int]]) -> tuple[tuple[int, int], ...]:
+    """(offset, size) byte ranges as sorted (begin, end) spans, adjacent ones merged."""
+    spans: list[tuple[int, int]] = []
+    for offset, size in sorted(ranges):
+        if spans and spans[-1][1] == offset:
+            spans[-1] = (spans[-1][0], offset + size)
+        else:
+            spans.append((offset, offset + size))
+    return tuple(spans)
 
 
 def _int8_layout(
@@ -493,7 +670,8 @@ class Packed(Mapping[str, Tensor]):
         return self._layout.tensors[name][0]
 
     def is_float(self, name: str) -> bool:
-        return name in self._layout.scales or self._layout.tensors[name][0].is_floating_point
+        layout = self._layout
+        return name in layout.scales or name in layout.lowbit or layout.tensors[name][0].is_floating_point
 
     def select(self, names: Iterable[str]) -> Packed:
         """The same blob limited to `names` (all of which it has)."""
@@ -509,6 +687,9 @@ class Packed(Mapping[str, Tensor]):
 
     def finite(self, name: str) -> bool:
         """Whether every value of `name` (a float tensor) is finite once decoded."""
+        if name in self._layout.lowbit:
+            overflows = self._largest_scale * 128 > FLOAT32_MAX
+            return not overflows or bool(torch.isfinite(self._decoded(name, copy=False)).all())
         if name not in self._layout.scales:
             return bool(torch.isfinite(self._stored(name)).all())
         # Scales are finite (parse checked): only a product with one near float32's maximum can overflow,
@@ -542,6 +723,9 @@ class Packed(Mapping[str, Tensor]):
                 sums[name].view(-1).add_(piece)
 
     def _add(self, name: str, out: Tensor, weight: float) -> None:
+        if name in self._layout.lowbit:
+            self._add_lowbit(name, out, weight)
+            return
         if name not in self._layout.scales:
             out.add_(self._stored(name), alpha=weight)
             return
@@ -551,16 +735,63 @@ class Packed(Mapping[str, Tensor]):
             target.addcmul_(values, scales)
 
     def _sq_norm(self, name: str) -> float:
-        if name not in self._layout.scales:
+        if name not in self._layout.scales and name not in self._layout.lowbit:
             return float(torch.linalg.vector_norm(self._stored(name), dtype=torch.float64)) ** 2
         total = 0.0
         # Per block: the norm of its int8 values (exact in float32 up to 2^20 of them) times its scale.
-        for values, scales, _ in _int8_steps(self._stored(name), self._scale(name), self.block_size):
+        for values, scales, _ in self._steps(name):
             rows = torch.linalg.vector_norm(values, dim=1).double() * scales[:, 0].double()
             total += float(rows.dot(rows))
         return total
 
+    def _steps(self, name: str) -> Iterator[tuple[Tensor, Tensor, Tensor]]:
+        """The quantised values of `name` a chunk at a time (topk: its kept values, `keep` a block)."""
+        low = self._layout.lowbit.get(name)
+        if low is None:
+            return _int8_steps(self._stored(name), self._scale(name), self.block_size)
+        if low.offsets < 0:
+            return _int4_steps(self._packed(low), self._scale(name), self.block_size, self.shape(name))
+        return _int8_steps(self._kept(low), self._scale(name), self._layout.keep)
+
+    def _add_lowbit(self, name: str, out: Tensor, weight: float) -> None:
+        low = self._layout.lowbit[name]
+        scales = self._scale(name) * weight
+        if low.offsets < 0:
+            for values, block_scales, target in _int4_steps(
+                self._packed(low), scales, self.block_size, self.shape(name), out
+            ):
+                target.addcmul_(values, block_scales)
+            return
+        # Sparse: only the kept values are touched, at their positions (distinct: parse checked).
+        values = dequantize_int8(self._kept(low), scales, self._layout.keep)
+        out.view(-1).index_add_(0, self._positions(low), values)
+
+    def _decoded_lowbit(self, name: str) -> Tensor:
+        low, shape = self._layout.lowbit[name], self.shape(name)
+        if low.offsets >= 0:
+            out = torch.zeros(math.prod(shape))
+            out[self._positions(low)] = dequantize_int8(self._kept(low), self._scale(name), self._layout.keep)
+            return out.view(shape)
+        out = torch.empty(shape)
+        for values, scales, target in _int4_steps(
+            self._packed(low), self._scale(name), self.block_size, shape, out
+        ):
+            torch.mul(values, scales, out=target)
+        return out
+
+    def _packed(self, low: _Lowbit) -> Tensor:
+        return self._slice(torch.uint8, low.values, (low.count,))
+
+    def _kept(self, low: _Lowbit) -> Tensor:
+        return self._slice(torch.int8, low.values, (low.count,))
+
+    def _positions(self, low: _Lowbit) -> Tensor:
+        offsets = self._slice(torch.int16, low.offsets, (low.count,))
+        return lowbit.topk_positions(offsets, self.block_size, self._layout.keep)
+
     def _decoded(self, name: str, *, copy: bool) -> Tensor:
+        if name in self._layout.lowbit:
+            return self._decoded_lowbit(name)
         t = self._stored(name)
         if name in self._layout.scales:
             return dequantize_int8(t, self._scale(name), self.block_size)
@@ -574,7 +805,9 @@ class Packed(Mapping[str, Tensor]):
 
     def _scale(self, name: str) -> Tensor:
         blocks = math.ceil(math.prod(self.shape(name)) / self.block_size)
-        return self._slice(torch.float32, self._layout.scales[name], (blocks,))
+        low = self._layout.lowbit.get(name)
+        offset = low.scales if low is not None else self._layout.scales[name]
+        return self._slice(torch.float32, offset, (blocks,))
 
     def _slice(self, dtype: torch.dtype, offset: int, shape: tuple[int, ...]) -> Tensor:
         return _slice(self._data, dtype, offset, shape)
@@ -598,8 +831,10 @@ def _regions(data: memoryview, start: int, layout: _Layout) -> dict[torch.dtype,
         warnings.simplefilter("ignore", UserWarning)
         raw = torch.frombuffer(data, dtype=torch.uint8, count=size, offset=start)
     dtypes = {dtype for dtype, _, _ in layout.tensors.values()} | (
-        {torch.float32} if layout.scales else set()
+        {torch.float32} if layout.scales or layout.lowbit else set()
     )
+    if layout.keep:
+        dtypes.add(torch.int16)
     regions = {torch.uint8: raw, torch.int8: raw.view(torch.int8)}
     for dtype in dtypes - set(regions):
         width = ITEMSIZES[SAFETENSORS_DTYPES[dtype]]
@@ -627,8 +862,7 @@ def _largest_scale(regions: dict[torch.dtype, Tensor], layout: _Layout) -> float
     largest = [float(scales.abs().max()) for scales in spans if scales.numel()]
     if all(math.isfinite(value) for value in largest):
         return max(largest, default=0.0)
-    for name, offset in layout.scales.items():
-        blocks = math.ceil(math.prod(layout.tensors[name][1]) / layout.block_size)
+    for name, offset, blocks in layout.scale_arrays():
         if not bool(torch.isfinite(_slice(regions, torch.float32, offset, (blocks,))).all()):
             raise CodecError(f"tensor '{name}': non-finite scales")
     raise AssertionError("a span of scales held a non-finite one that no tensor's scales hold")
@@ -679,21 +913,69 @@ def _parse(data: memoryview, max_header: int) -> Packed:
         raise CodecError("not a safetensors file (bad header length)")
     layout = _layout(bytes(data[8 : 8 + size]), len(data) - 8 - size)
     regions = _regions(data, 8 + size, layout)
+    if layout.keep:
+        _check_offsets(regions, layout)
     return Packed(regions, layout, tuple(layout.tensors), _largest_scale(regions, layout))
 
 
+def _check_offsets(regions: dict[torch.dtype, Tensor], layout: _Layout) -> None:
+    """topk's offsets (data, not header: checked for every blob) within their blocks, none twice."""
+    for name, low in layout.lowbit.items():
+        offsets = _slice(regions, torch.int16, low.offsets, (low.count,))
+        elements = math.prod(layout.tensors[name][1])
+        if not lowbit.topk_offsets_valid(offsets, elements, layout.block_size, layout.keep):
+            raise CodecError(f"tensor '{name[:100]}': top-k offsets outside their blocks or not increasing")
+
+
 class ErrorFeedback:
-    """Error-feedback compression: what quantisation drops from one update is added to the next,
-    so over many rounds nothing is lost (the residual stays bounded instead of biasing training).
+    """Error-feedback compression: what quantisation (or topk's sparsification) drops from one update is
+    added to the next, so over many rounds nothing is lost (the residual stays bounded instead of biasing
+    training).
     """
 
-    def __init__(self, codec: str = "int8", block_size: int = 256) -> None:
-        self.codec, self.block_size = codec, block_size
+    def __init__(self, codec: str = "int8", block_size: int | None = None, keep: int | None = None) -> None:
+        self.codec, self.block_size = codec, block_size or default_block_size(codec)
+        self.keep = keep
         self.residual: dict[str, Tensor] = {}
 
     def compress(self, update: Mapping[str, Tensor]) -> bytes:
         corrected = {name: t.detach().float() + self.residual.get(name, 0.0) for name, t in update.items()}
-        data = encode(corrected, self.codec, self.block_size)
+        data = encode(corrected, self.codec, self.block_size, keep=self.keep)
         sent, _ = decode(data)
         self.residual = {name: corrected[name] - sent[name] for name in corrected}
+        return data
+
+
+class WeightsDeltas:
+    """Weights sent down as deltas: the first download whole (in `first_codec`), then each new version as
+    its difference to the weights volunteers already hold, compressed (int4, or topk for the largest
+    changes). The server keeps what they hold (`held`, which they train from and spot checks recompute
+    from), so what one delta drops is in the next: error feedback on the way down.
+
+    A volunteer applies the blobs in order, held += decode(delta) in float32, and holds exactly `held`.
+    """
+
+    def __init__(
+        self,
+        weights: Mapping[str, Tensor],
+        codec: str = "topk",
+        first_codec: str = "int4",
+        block_size: int | None = None,
+        keep: int | None = None,
+    ) -> None:
+        self.first = encode(weights, first_codec, default_block_size(first_codec))
+        self.held: dict[str, Tensor] = decode(self.first)[0]
+        self.codec, self.keep = codec, keep
+        self.block_size = block_size or default_block_size(codec)
+
+    def delta(self, weights: Mapping[str, Tensor]) -> bytes:
+        """The blob taking `held` towards `weights` (held then moves by what it carries)."""
+        data = encode(
+            {name: weights[name] - self.held[name] for name in self.held},
+            self.codec,
+            self.block_size,
+            keep=self.keep,
+        )
+        for name, value in decode(data)[0].items():
+            self.held[name] = self.held[name] + value
         return data

@@ -127,6 +127,16 @@ class Project(models.Model):
         FP32 = "fp32"
         FP16 = "fp16"
         INT8 = "int8", "int8 (blockwise, with error feedback)"
+        INT4 = "int4", "int4 (blockwise 4-bit, with error feedback)"
+        TOPK = "topk", "top-k (1 value in 64 per block of 4,096, with error feedback)"
+
+    class WeightsCodec(models.TextChoices):
+        """Weights are sent whole, so not sparse (topk would zero most of them)."""
+
+        FP32 = "fp32"
+        FP16 = "fp16"
+        INT8 = "int8", "int8 (blockwise)"
+        INT4 = "int4", "int4 (blockwise 4-bit)"
 
     class Aggregator(models.TextChoices):
         MEAN = "mean", "Mean weighted by samples"
@@ -158,8 +168,8 @@ class Project(models.Model):
     )
     weights_codec = models.CharField(
         max_length=10,
-        choices=Codec.choices,
-        default=Codec.FP32,
+        choices=WeightsCodec.choices,
+        default=WeightsCodec.FP32,
         help_text="How model weights go down to volunteers; they train from exactly these (decoded) weights.",
     )
     aggregator = models.CharField(max_length=20, choices=Aggregator.choices, default=Aggregator.MEAN)

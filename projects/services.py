@@ -347,7 +347,7 @@ def version_publish(
     weights_blob = blob_put_tensors(tensors=weights)
     state_blob = blob_put_tensors(tensors=momentum) if momentum else None
     codec = project.weights_codec
-    wire = blob_put_tensors(tensors=weights, codec=codec) if codec != Project.Codec.FP32 else None
+    wire = blob_put_tensors(tensors=weights, codec=codec) if codec != Project.WeightsCodec.FP32 else None
     return ModelVersion.objects.create(
         project=project,
         number=number,

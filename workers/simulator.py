@@ -419,7 +419,7 @@ class Simulator:
         self.link = Link(config.bandwidth_mbit, config.latency_ms)
         self.cache = BlobCache()
         self.graphs: dict[str, tuple[Graph, int]] = {}  # graph URL -> (graph, train FLOPs per sample)
-        self.feedback: dict[int, codecs.ErrorFeedback] = {}  # project id -> int8 residual
+        self.feedback: dict[int, codecs.ErrorFeedback] = {}  # project id -> its residual
         self.random = random.Random(config.seed)
         self.generator = torch.Generator().manual_seed(config.seed or 0)
         self.replay: bytes | None = None  # the first payload, resubmitted by stale_replay
@@ -476,10 +476,14 @@ class Simulator:
             self.on_verdict(unit_id, verdict)
 
     def encode(self, unit: Unit, update: Tensors) -> bytes:
-        """The honest wire format: int8 carries this project's residual forward (error feedback)."""
-        if unit.codec != "int8":
+        """The honest wire format: int8, int4 and topk carry this project's residual forward (error
+        feedback), one residual per project and codec (a new codec starts afresh)."""
+        if unit.codec not in codecs.FEEDBACK:
             return codecs.encode(update, unit.codec)
-        return self.feedback.setdefault(unit.project_id, codecs.ErrorFeedback("int8")).compress(update)
+        feedback = self.feedback.get(unit.project_id)
+        if feedback is None or feedback.codec != unit.codec:
+            feedback = self.feedback[unit.project_id] = codecs.ErrorFeedback(unit.codec)
+        return feedback.compress(update)
 
     # --- HTTP: account and blobs
 

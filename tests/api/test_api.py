@@ -181,6 +181,22 @@ def test_patch_settings_start_pause_and_delete(api: APIClient, owner: User, digi
     assert api.delete(url).status_code == 204 and not Project.objects.filter(pk=project.pk).exists()
 
 
+def test_the_update_codec_may_be_int4_or_topk_and_the_weights_codec_int4_but_never_sparse(
+    api: APIClient, owner: User, digits_dataset: Dataset
+) -> None:
+    from projects.services import project_create
+
+    project = project_create(owner=owner, name="Few bytes", dataset=digits_dataset, preset="mlp")
+    url = f"/api/projects/{project.pk}/"
+    for codec in ("int4", "topk"):
+        assert api.patch(url, {"codec": codec}, format="json").json()["settings"]["codec"] == codec
+    assert api.patch(url, {"weights_codec": "int4"}, format="json").status_code == 200
+    refused = api.patch(url, {"weights_codec": "topk"}, format="json")
+    assert refused.status_code == 400 and "weights_codec" in refused.json()
+    project.refresh_from_db()
+    assert (project.codec, project.weights_codec) == ("topk", "int4")
+
+
 def test_settings_that_do_not_go_together_are_a_400_and_change_nothing(
     api: APIClient, owner: User, digits_dataset: Dataset
 ) -> None:

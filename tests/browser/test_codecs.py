@@ -28,9 +28,29 @@ def sample_tensors() -> dict[str, torch.Tensor]:
     }
 
 
-def browser_encode(page: Any, tensors: dict[str, torch.Tensor], codec: str, block: int) -> bytes:
-    encoded = page.evaluate("([t, c, b]) => harness.encode(t, c, b)", [b64(tensors), codec, block])
+def browser_encode(
+    page: Any, tensors: dict[str, torch.Tensor], codec: str, block: int, keep: int | None = None
+) -> bytes:
+    encoded = page.evaluate(
+        "([t, c, b, k]) => harness.encode(t, c, b, k)", [b64(tensors), codec, block, keep]
+    )
     return base64.b64decode(encoded)
+
+
+@pytest.mark.parametrize(
+    ("codec", "block", "keep"), [("int4", 256, None), ("int4", 6, None), ("topk", 64, 5)]
+)
+def test_int4_and_topk_from_browser_are_python_bytes(
+    harness: Any, codec: str, block: int, keep: int | None
+) -> None:
+    """Byte for byte (metadata, packing, top-k choice with ties, offsets, int8 values and scales)."""
+    tensors = sample_tensors()
+    data = browser_encode(harness, tensors, codec, block, keep)
+    assert data == codecs.encode(tensors, codec, block, keep=keep)
+    got = tensors_from_b64(harness.evaluate("s => harness.decode(s)", base64.b64encode(data).decode()))
+    want, _ = codecs.decode(data)
+    for name in tensors:
+        assert torch.equal(got[name].reshape(want[name].shape), want[name]), name
 
 
 @pytest.mark.parametrize("block", [256, 7])
@@ -124,7 +144,7 @@ def browser_error_feedback(
     return [base64.b64decode(s) for s in r["sent"]], tensors_from_b64(r["residual"])
 
 
-@pytest.mark.parametrize("codec", ["int8", "fp16"])
+@pytest.mark.parametrize("codec", ["int8", "fp16", "int4", "topk"])
 def test_error_feedback_matches_python(harness: Any, codec: str) -> None:
     """Same inputs: every step's bytes decode in Python to what Python's ErrorFeedback sends, and the
     residual left after all steps is Python's."""

@@ -194,6 +194,33 @@ def test_worker_local_steps_with_error_feedback(
     assert all(torch.equal(updates[4][k], updates[0][k]) for k in want.delta)  # project B: fresh residual
 
 
+@pytest.mark.parametrize("codec", ["int4", "topk"])
+def test_worker_feedback_for_int4_and_topk(harness: Any, local_work: dict[str, Any], codec: str) -> None:
+    """The worker keeps a residual for int4 and topk too: the sum of 4 units' updates tracks the sum of the
+    true deltas far better than compressing each alone, and a project that changes codec starts afresh."""
+    base, want = local_work["base"], local_work["want"]
+    project, other = {"id": 17, "name": "A"}, {"id": 18, "name": "B"}
+    assigns = [{**base, "id": 41 + i, "project": project, "codec": codec} for i in range(4)]
+    assigns += [
+        {**base, "id": 45, "project": other, "codec": "int8"},
+        {**base, "id": 46, "project": other, "codec": codec},  # B's int8 residual is not carried into it
+    ]
+    ready, *results = harness.evaluate("([b, a]) => harness.workerCompute(b, a)", [["cpu"], assigns])
+    assert [r.get("type") for r in results] == ["result"] * 6, results
+    decoded = [codecs.decode(base64.b64decode(r["bytes"])) for r in results]
+    assert [meta["codec"] for _, meta in decoded] == [codec] * 4 + ["int8", codec]
+    updates = [u for u, _ in decoded]
+    sent = {k: sum(u[k] for u in updates[:4]) for k in want.delta}
+    four = {k: 4 * v for k, v in want.delta.items()}
+    plain = codecs.decode(codecs.encode(want.delta, codec, codecs.default_block_size(codec)))[0]
+    feedback_error, plain_error = rel_l2(sent, four), rel_l2({k: 4 * v for k, v in plain.items()}, four)
+    record("worker_lowbit_feedback", {"codec": codec, "with_feedback": feedback_error, "plain": plain_error})
+    # topk sends 1 value in 64 a unit: 4 units of feedback send the next largest, not the same ones again.
+    assert feedback_error < (0.5 if codec == "int4" else 0.9) * plain_error, (feedback_error, plain_error)
+    assert any(not torch.equal(updates[1][k] != 0, updates[0][k] != 0) for k in want.delta) or codec == "int4"
+    assert all(torch.allclose(updates[5][k], updates[0][k], atol=1e-6) for k in want.delta)
+
+
 # --- pipeline mode: stage units (docs/protocol.md "Stage units") ------------------------------------------
 
 STAGE_COUNT, MICRO, CODEC, SCALE = 3, 8, "fp16", 0.25

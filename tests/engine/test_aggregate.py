@@ -76,12 +76,16 @@ from engine import codecs  # noqa: E402
 from engine.aggregate import WeightedSum  # noqa: E402
 
 
-@pytest.mark.parametrize("codec", ["int8", "fp16", "fp32", None])
+@pytest.mark.parametrize("codec", ["int8", "fp16", "fp32", "int4", "topk", None])
 def test_a_weighted_sum_equals_the_weighted_mean(codec: str | None) -> None:
-    """Folded in one at a time, as blobs (int8 dequantized straight into the sum) or decoded tensors."""
+    """Folded in one at a time, as blobs (int8 and int4 dequantized straight into the sum, topk's values added
+    at their positions) or decoded tensors."""
     updates, weights = _updates(5, seed=7), [64.0, 50.0, 1.0, 0.0, 13.5]
-    folded = [codecs.parse(codecs.encode(u, codec, block_size=5)) for u in updates] if codec else updates
-    decoded = [codecs.decode(codecs.encode(u, codec, block_size=5))[0] for u in updates] if codec else updates
+    block = 6 if codec == "int4" else 5
+    keep = 2 if codec == "topk" else None
+    blobs = [codecs.encode(u, codec, block_size=block, keep=keep) for u in updates] if codec else []
+    folded = [codecs.parse(data) for data in blobs] if codec else updates
+    decoded = [codecs.decode(data)[0] for data in blobs] if codec else updates
     streaming = WeightedSum(["w", "b"])
     for update, weight in zip(folded, weights, strict=True):
         streaming.add(update, weight)
@@ -134,3 +138,19 @@ def test_check_update_reads_a_blob_as_it_reads_decoded_tensors() -> None:
     assert verdicts == [check_update(codecs.decode(data)[0], expected) for data in cases]
     assert verdicts[0] is None and all(verdicts[1:])
     assert "NaN or infinite" in str(verdicts[-1])
+
+
+@pytest.mark.parametrize("codec", ["int4", "topk"])
+def test_check_update_reads_int4_and_topk_blobs_as_decoded_tensors(codec: str) -> None:
+    expected = {"w": (3, 4), "b": (4,)}
+    good = _updates(1)[0]
+    cases = [
+        codecs.encode(good, codec),
+        codecs.encode({"w": good["w"]}, codec),
+        codecs.encode({**good, "b": torch.ones(5)}, codec),
+        codecs.encode({**good, "w": torch.ones(4, 3)}, codec),  # the same elements, another shape
+        codecs.encode({**good, "b": torch.ones(4, dtype=torch.int64)}, codec),
+    ]
+    verdicts = [check_update(codecs.parse(data), expected) for data in cases]
+    assert verdicts == [check_update(codecs.decode(data)[0], expected) for data in cases]
+    assert verdicts[0] is None and all(verdicts[1:])

@@ -79,7 +79,7 @@ def test_integer_tensors_pass_through_every_codec() -> None:
 
 def test_encode_rejects_unknown_codec_and_name_collisions() -> None:
     with pytest.raises(CodecError, match="unknown codec"):
-        encode({"a": torch.ones(2)}, "int4")
+        encode({"a": torch.ones(2)}, "int2")
     with pytest.raises(CodecError, match="collides"):
         encode({"a": torch.ones(2), "a:scale": torch.ones(1)}, "int8")
 

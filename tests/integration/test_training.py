@@ -301,7 +301,7 @@ def test_project_create_checks_the_model_fits_the_dataset(researcher: User, digi
     assert not Project.objects.filter(name="bad").exists()
 
 
-@pytest.mark.parametrize("codec", ["fp16", "int8"])
+@pytest.mark.parametrize("codec", ["fp16", "int8", "int4"])
 def test_compressed_weights_go_down_and_the_master_copy_stays_fp32(
     mlp_project: Project, volunteer_user: User, codec: str
 ) -> None:
@@ -316,10 +316,10 @@ def test_compressed_weights_go_down_and_the_master_copy_stays_fp32(
     master = version_weights(version=version)
     assert version.wire_weights is not None and version.wire_blob == version.wire_weights
     assert version.weights is not None
-    assert version.wire_weights.size < version.weights.size / (1.9 if codec == "fp16" else 3.5)
+    assert version.wire_weights.size < version.weights.size / {"fp16": 1.9, "int8": 3.5, "int4": 7}[codec]
     for name, value in master.items():
         assert value.dtype == wire[name].dtype == torch.float32
-        bound = value.abs().max() / (2000 if codec == "fp16" else 250)
+        bound = value.abs().max() / {"fp16": 2000, "int8": 250, "int4": 14}[codec] * 1.0001
         assert 0 < (wire[name] - value).abs().max() <= bound
     sent = protocol.assign_message(assign(volunteer_user))["work_unit"]
     assert sent["weights_url"] == version.wire_weights.url
@@ -439,9 +439,10 @@ def test_the_next_step_changes_the_weights_this_process_published_in_place(
         torch.testing.assert_close(published[name], value, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("codec", ["int8", "int4", "topk"])
 @pytest.mark.parametrize("aggregator", ["median", "trimmed_mean", "mean"])
 def test_every_aggregator_combines_blobs_as_it_combines_decoded_updates(
-    mlp_project: Project, aggregator: str
+    mlp_project: Project, aggregator: str, codec: str
 ) -> None:
     """Medians and trimmed means decode every update (they need them all at once); means stream them."""
     Project.objects.filter(pk=mlp_project.pk).update(aggregator=aggregator)
@@ -450,7 +451,7 @@ def test_every_aggregator_combines_blobs_as_it_combines_decoded_updates(
     g = torch.Generator().manual_seed(0)
     updates = [{k: torch.randn(v.shape, generator=g) * 1e-2 for k, v in weights.items()} for _ in range(5)]
     updates[2] = {k: v * 1e4 for k, v in updates[2].items()}  # one wild update
-    blobs = [codecs.encode(u, "int8") for u in updates]
+    blobs = [codecs.encode(u, codec) for u in updates]
     streamed, _ = training._combine(
         project=mlp_project, updates=(codecs.parse(b) for b in blobs), weights=[50.0] * 5
     )

@@ -119,11 +119,26 @@ def test_local_steps_norms_are_compared_per_step(
     assert validation._norm_problem(result=unit, norm=10.0) is not None
 
 
-@pytest.mark.parametrize("codec", ["fp32", "fp16", "int8"])
+@pytest.mark.parametrize("codec", ["fp32", "fp16", "int8", "int4", "topk"])
 def test_every_codec_is_accepted(mlp_project: Project, volunteer_user: User, codec: str) -> None:
     Project.objects.filter(pk=mlp_project.pk).update(codec=codec)
     result = assign(volunteer_user)
     assert receive(volunteer_user, result).status == "valid"
+    assert judged(result).spot_checked
+
+
+@pytest.mark.parametrize("codec", ["int4", "topk"])
+@pytest.mark.parametrize("how", ["sign_flip", "scaled", "random"])
+def test_lossy_codecs_still_catch_tampered_updates(
+    mlp_project: Project, volunteer_user: User, codec: str, how: str
+) -> None:
+    """int4's wider tolerance and topk's statistical check (an honest topk update is far from the server's
+    in L2) still refuse the attacks."""
+    Project.objects.filter(pk=mlp_project.pk).update(codec=codec)
+    result = assign(volunteer_user)
+    outcome = receive(volunteer_user, result, tampered(result.work_unit, how))
+    assert outcome.status == "invalid", outcome.reason
+    assert judged(result).spot_checked
 
 
 @pytest.mark.parametrize(

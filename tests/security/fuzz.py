@@ -415,7 +415,29 @@ def _filled(unit: Assigned, value: float) -> bytes:
     return codecs.encode({n: torch.full(s, value) for n, s in unit.shapes.items()}, "fp32")
 
 
+def _topk_repeated(unit: Assigned) -> bytes:
+    """A topk update whose offsets name one position over and over (parse refuses repeats)."""
+    tensors = {n: torch.ones(s) for n, s in unit.shapes.items()}
+    data = codecs.encode(tensors, "topk", 8, keep=2)
+    header_size = struct.unpack("<Q", data[:8])[0]
+    header = json.loads(data[8 : 8 + header_size])
+    body = bytearray(data[8 + header_size :])
+    for name in unit.shapes:
+        begin, end = header[name + codecs.INDEX_SUFFIX]["data_offsets"]
+        body[begin:end] = bytes(end - begin)
+    return data[: 8 + header_size] + bytes(body)
+
+
+def _lowbit_claiming(codec: str) -> bytes:
+    """A few bytes claiming a dense tensor of 10**12 elements (parse refuses before allocating)."""
+    meta = {"codec": codec, "block_size": "32768", "keep": "1", "shape:w": "1000000,1000000"}
+    entry = {"dtype": "I8", "shape": [1], "data_offsets": [0, 1]}
+    return _header({"__metadata__": meta, "w": entry}, b"\1")
+
+
 POISONS: list[tuple[str, Poison]] = [
+    ("topk_repeated_offsets", lambda u, r: (_honest_message(u), _topk_repeated(u))),
+    ("lowbit_huge_shape", lambda u, r: (_honest_message(u), _lowbit_claiming(r.choice(["int4", "topk"])))),
     ("deep_header", lambda u, r: (_honest_message(u), _deep_header())),
     ("nan", lambda u, r: (_honest_message(u), _filled(u, float("nan")))),
     ("inf", lambda u, r: (_honest_message(u), _filled(u, float("inf")))),

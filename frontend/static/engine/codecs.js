@@ -1,11 +1,17 @@
-// Safetensors parse/serialize and the tensor codecs of docs/protocol.md (fp32, fp16, blockwise int8).
+// Safetensors parse/serialize and the tensor codecs of docs/protocol.md (fp32, fp16, blockwise int8 and int4,
+// sparse top-k), bit-identical to engine/codecs.py and engine/lowbit.py.
 // Classic script: attaches to self.crowdtrain.codecs (works in pages and in Web Workers).
 (function (ns) {
   "use strict";
 
-  const DTYPE_BYTES = { F32: 4, F16: 2, I8: 1, I32: 4, I64: 8 };
+  const DTYPE_BYTES = { F32: 4, F16: 2, I8: 1, U8: 1, I16: 2, I32: 4, I64: 8 };
   const SCALE_SUFFIX = ":scale";
+  const INDEX_SUFFIX = ":index";
+  const SHAPE_PREFIX = "shape:"; // metadata: an int4 or topk tensor's dense shape, "d0,d1,..."
   const DEFAULT_BLOCK = 256;
+  const DEFAULT_BLOCKS = { int8: 256, int4: 256, topk: 4096 }; // engine.codecs.DEFAULT_BLOCK_SIZES
+  const TOPK_DENSITY = 64; // topk keeps blockSize / 64 values a block unless told
+  const INT4_LEVEL = 7, NIBBLE_ZERO = 8;
 
   // ---- float16 <-> float32 -------------------------------------------------------------
   const f32 = new Float32Array(1);
@@ -96,6 +102,8 @@
       case "F32": return new Float32Array(buffer);
       case "F16": return halfsToFloats(new Uint16Array(buffer));
       case "I8": return new Int8Array(buffer);
+      case "U8": return new Uint8Array(buffer);
+      case "I16": return new Int16Array(buffer);
       case "I32": return new Int32Array(buffer);
       case "I64": return lowWords(new Int32Array(buffer)); // ids and labels fit in int32
       default: throw new Error(`unsupported dtype ${dtype}`);
@@ -133,7 +141,8 @@
     const sorted = entries.slice().sort((a, b) =>
       DTYPE_BYTES[b.dtype] - DTYPE_BYTES[a.dtype] || (a.name < b.name ? -1 : a.name > b.name ? 1 : 0));
     const header = {};
-    if (metadata) header.__metadata__ = metadata;
+    // Sorted keys, as the Python encoder writes them: the same tensors give the same bytes.
+    if (metadata) header.__metadata__ = Object.fromEntries(Object.entries(metadata).sort(([a], [b]) => (a < b ? -1 : a > b ? 1 : 0)));
     const chunks = [];
     let offset = 0;
     for (const t of sorted) {
@@ -159,8 +168,8 @@
     return r - v === 0.5 && r % 2 !== 0 ? r - 1 : r;
   }
 
-  // Blockwise symmetric int8: scale = max|x| / 127 per block of the flattened tensor.
-  function quantizeInt8(data, blockSize) {
+  // Blockwise symmetric int8: scale = max|x| / level (127; int4: 7) per block of the flattened tensor.
+  function quantizeInt8(data, blockSize, level = 127) {
     const blocks = Math.ceil(data.length / blockSize);
     const q = new Int8Array(data.length);
     const scales = new Float32Array(blocks);
@@ -168,12 +177,12 @@
       const lo = b * blockSize, hi = Math.min(lo + blockSize, data.length);
       let amax = 0;
       for (let i = lo; i < hi; i++) amax = Math.max(amax, Math.abs(data[i]));
-      const scale = Math.fround(amax / 127);
+      const scale = Math.fround(amax / level);
       scales[b] = scale;
       if (scale === 0) continue; // all-zero block: q stays 0
       for (let i = lo; i < hi; i++) {
         const v = roundHalfEven(Math.fround(data[i] / scale));
-        q[i] = Math.max(-127, Math.min(127, v));
+        q[i] = Math.max(-level, Math.min(level, v));
       }
     }
     return { q, scales };
@@ -185,25 +194,110 @@
     return out;
   }
 
+  // int4: codes -7..7 stored as code + 8, two a byte, the first of a pair in the low nibble.
+  function packNibbles(q) {
+    const out = new Uint8Array(Math.ceil(q.length / 2));
+    for (let i = 0; i < out.length; i++) {
+      const hi = 2 * i + 1 < q.length ? q[2 * i + 1] + NIBBLE_ZERO : NIBBLE_ZERO;
+      out[i] = (q[2 * i] + NIBBLE_ZERO) | (hi << 4);
+    }
+    return out;
+  }
+
+  function unpackInt4(packed, scales, blockSize, count) {
+    const out = new Float32Array(count);
+    for (let i = 0; i < count; i++) {
+      const code = ((packed[i >> 1] >> ((i & 1) * 4)) & 15) - NIBBLE_ZERO;
+      out[i] = code * scales[Math.floor(i / blockSize)];
+    }
+    return out;
+  }
+
+  // topk: per block, the `keep` largest magnitudes (ties to the lower index; a partial last block keeps
+  // min(keep, its length)), their offsets within the block increasing, as engine/lowbit.py chooses them.
+  function topkSelect(data, blockSize, keep) {
+    const offsets = [], values = [];
+    for (let lo = 0; lo < data.length; lo += blockSize) {
+      const hi = Math.min(lo + blockSize, data.length);
+      const order = Array.from({ length: hi - lo }, (_, i) => i);
+      order.sort((a, b) => Math.abs(data[lo + b]) - Math.abs(data[lo + a]) || a - b);
+      const kept = order.slice(0, keep).sort((a, b) => a - b);
+      for (const i of kept) { offsets.push(i); values.push(data[lo + i]); }
+    }
+    return { offsets: Int16Array.from(offsets), values: Float32Array.from(values) };
+  }
+
+  function untopk(values, offsets, scales, blockSize, keep, count) {
+    const kept = dequantizeInt8(values, scales, keep);
+    const out = new Float32Array(count);
+    for (let j = 0; j < kept.length; j++) out[Math.floor(j / keep) * blockSize + offsets[j]] = kept[j];
+    return out;
+  }
+
+  function encodeOne(t, codec, blockSize, keep) {
+    if (codec === "fp32") return [{ name: t.name, dtype: "F32", shape: t.shape, data: Float32Array.from(t.data) }];
+    if (codec === "fp16") return [{ name: t.name, dtype: "F16", shape: t.shape, data: t.data }];
+    const scaled = (scales) => [{ name: t.name + SCALE_SUFFIX, dtype: "F32", shape: [scales.length], data: scales }];
+    if (codec === "int8") {
+      const { q, scales } = quantizeInt8(t.data, blockSize);
+      return [{ name: t.name, dtype: "I8", shape: t.shape, data: q }, ...scaled(scales)];
+    }
+    if (codec === "int4") {
+      const { q, scales } = quantizeInt8(t.data, blockSize, INT4_LEVEL);
+      const packed = packNibbles(q);
+      return [{ name: t.name, dtype: "U8", shape: [packed.length], data: packed }, ...scaled(scales)];
+    }
+    if (codec === "topk") {
+      const { offsets, values } = topkSelect(t.data, blockSize, keep);
+      const { q, scales } = quantizeInt8(values, keep);
+      return [{ name: t.name, dtype: "I8", shape: [q.length], data: q },
+        { name: t.name + INDEX_SUFFIX, dtype: "I16", shape: [offsets.length], data: offsets }, ...scaled(scales)];
+    }
+    throw new Error(`unknown codec ${codec}`);
+  }
+
   function tensorList(tensors) {
     return Array.isArray(tensors) ? tensors : Object.entries(tensors).map(([name, t]) => ({ name, ...t }));
   }
 
   // tensors: {name: {shape, data: Float32Array}} or [{name, shape, data}] -> safetensors bytes.
+  // options: {blockSize, keep (topk: values kept per block)}.
   function encode(tensors, codec = "fp32", options = {}) {
     const blockSize = options.blockSize || DEFAULT_BLOCK;
+    const keep = options.keep || defaultKeep(blockSize);
     const metadata = { codec, block_size: String(blockSize) };
+    if (codec === "int4" && blockSize % 2) throw new Error("int4 needs an even block size");
+    if (codec === "topk") {
+      if (blockSize > 32768 || keep > blockSize) throw new Error("topk needs blockSize <= 32768 and keep <= blockSize");
+      metadata.keep = String(keep);
+    }
     const entries = [];
     for (const t of tensorList(tensors)) {
-      if (codec === "fp32") entries.push({ name: t.name, dtype: "F32", shape: t.shape, data: Float32Array.from(t.data) });
-      else if (codec === "fp16") entries.push({ name: t.name, dtype: "F16", shape: t.shape, data: t.data });
-      else if (codec === "int8") {
-        const { q, scales } = quantizeInt8(t.data, blockSize);
-        entries.push({ name: t.name, dtype: "I8", shape: t.shape, data: q });
-        entries.push({ name: t.name + SCALE_SUFFIX, dtype: "F32", shape: [scales.length], data: scales });
-      } else throw new Error(`unknown codec ${codec}`);
+      entries.push(...encodeOne(t, codec, blockSize, keep));
+      if (codec === "int4" || codec === "topk") metadata[SHAPE_PREFIX + t.name] = t.shape.join(",");
     }
     return serialize(entries, metadata);
+  }
+
+  function defaultKeep(blockSize) {
+    return Math.max(1, Math.floor(blockSize / TOPK_DENSITY));
+  }
+
+  // Each int4/topk tensor's dense shape, from the metadata (decoded from trusted bytes: the server's).
+  function lowbitShapes(metadata) {
+    const shapes = {};
+    for (const [key, value] of Object.entries(metadata)) {
+      if (key.startsWith(SHAPE_PREFIX)) shapes[key.slice(SHAPE_PREFIX.length)] = value ? value.split(",").map(Number) : [];
+    }
+    return shapes;
+  }
+
+  function decodeLowbit(name, shape, tensors, metadata, blockSize) {
+    const count = shape.reduce((a, b) => a * b, 1);
+    const scales = tensors[name + SCALE_SUFFIX].data;
+    if (metadata.codec === "int4") return unpackInt4(tensors[name].data, scales, blockSize, count);
+    const keep = parseInt(metadata.keep, 10);
+    return untopk(tensors[name].data, tensors[name + INDEX_SUFFIX].data, scales, blockSize, keep, count);
   }
 
   // safetensors bytes (any codec) -> {name: {shape, data}}: float tensors as Float32Array
@@ -211,8 +305,15 @@
   function decode(buf) {
     const { metadata, tensors } = parse(buf);
     const blockSize = parseInt(metadata.block_size || DEFAULT_BLOCK, 10);
+    const shapes = lowbitShapes(metadata);
+    const parts = new Set(Object.keys(shapes).flatMap((name) => [name + SCALE_SUFFIX, name + INDEX_SUFFIX]));
     const out = {};
     for (const [name, t] of Object.entries(tensors)) {
+      if (parts.has(name)) continue;
+      if (shapes[name]) {
+        out[name] = { shape: shapes[name], data: decodeLowbit(name, shapes[name], tensors, metadata, blockSize) };
+        continue;
+      }
       if (name.endsWith(SCALE_SUFFIX) && tensors[name.slice(0, -SCALE_SUFFIX.length)]) continue;
       const scale = tensors[name + SCALE_SUFFIX];
       const data = t.dtype === "I8" && scale ? dequantizeInt8(t.data, scale.data, blockSize) : t.data;
@@ -228,7 +329,7 @@
   class ErrorFeedback {
     constructor(codec = "int8", options = {}) {
       this.codec = codec;
-      this.options = options; // {blockSize}
+      this.options = { blockSize: DEFAULT_BLOCKS[codec] || DEFAULT_BLOCK, ...options }; // {blockSize, keep}
       this.residual = {}; // name -> Float32Array
     }
 
@@ -258,5 +359,8 @@
     return out;
   }
 
-  ns.codecs = { parse, serialize, encode, decode, toHalf, halfToFloat, quantizeInt8, ErrorFeedback, DEFAULT_BLOCK };
+  ns.codecs = {
+    parse, serialize, encode, decode, toHalf, halfToFloat, quantizeInt8, packNibbles, topkSelect, ErrorFeedback,
+    DEFAULT_BLOCK, DEFAULT_BLOCKS,
+  };
 })((self.crowdtrain = self.crowdtrain || {}));

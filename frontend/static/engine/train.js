@@ -120,7 +120,7 @@
   function merge(first, second) {
     const a = ns.codecs.parse(first), b = ns.codecs.parse(second);
     const entries = [a, b].flatMap((p) => Object.entries(p.tensors).map(([name, t]) => ({ name, ...t })));
-    return ns.codecs.serialize(entries, a.metadata);
+    return ns.codecs.serialize(entries, { ...b.metadata, ...a.metadata }); // int4's shape: entries of both
   }
 
   // params: {name: {shape, data}} (gradients or deltas); buffers: new running statistics.
@@ -128,7 +128,9 @@
   // error forward. Buffers are absolute values, not updates, so they never get a residual.
   function encodeUpdate(params, buffers, codec, feedback) {
     const update = feedback ? feedback.compress(params) : ns.codecs.encode(params, codec);
-    return Object.keys(buffers).length ? merge(update, ns.codecs.encode(buffers, codec)) : update;
+    // Running statistics are state, not steps a later update could complete: never sparsified.
+    const buffersCodec = codec === "topk" ? "fp32" : codec;
+    return Object.keys(buffers).length ? merge(update, ns.codecs.encode(buffers, buffersCodec)) : update;
   }
 
   // -> {grads: safetensors bytes (Uint8Array, one tensor per param, in `codec`), loss, samples}

@@ -43,7 +43,7 @@ let current = null; // {graphKey, weightsKey, backend, model}: stage units keep 
 const cancelled = new Set();
 const cpuGraphs = new Set(); // graph URLs that hit a missing WASM kernel at run time
 let queue = Promise.resolve(); // computes run one after another
-const feedbacks = new Map(); // project id -> ErrorFeedback: int8's residual, carried across work units
+const feedbacks = new Map(); // project id -> ErrorFeedback: the residual of int8/int4/topk, carried across units
 
 // ---- duty cycle and pauses ----------------------------------------------------------------------
 const pacing = {
@@ -251,10 +251,14 @@ async function download(assign, payloads = {}) {
 // ---- tasks ---------------------------------------------------------------------------------------
 // One residual per project, kept across model versions like the Python simulator does: what int8 drops
 // from one update is owed to the project, whichever version the next update is computed on.
+// int4 and topk too (topk drops most of each update: feedback is what makes it converge); a project whose
+// codec changed starts a fresh residual.
+const FEEDBACK_CODECS = ["int8", "int4", "topk"];
 function feedbackFor(assign) {
-  if (assign.codec !== "int8") return null;
+  if (!FEEDBACK_CODECS.includes(assign.codec)) return null;
   const id = assign.project.id;
-  if (!feedbacks.has(id)) feedbacks.set(id, new ct.codecs.ErrorFeedback("int8"));
+  const known = feedbacks.get(id);
+  if (!known || known.codec !== assign.codec) feedbacks.set(id, new ct.codecs.ErrorFeedback(assign.codec));
   return feedbacks.get(id);
 }
 

@@ -126,9 +126,9 @@
     }
   }
 
-  function encode(tensorsB64, codec, blockSize) {
+  function encode(tensorsB64, codec, blockSize, keep) {
     const decoded = ct.codecs.decode(fromB64(tensorsB64));
-    return toB64(ct.codecs.encode(decoded, codec, { blockSize }));
+    return toB64(ct.codecs.encode(decoded, codec, keep ? { blockSize, keep } : { blockSize }));
   }
 
   function decode(bytesB64) {
