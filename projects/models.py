@@ -584,6 +584,12 @@ class Result(models.Model):
                 condition=models.Q(validation="valid", update_norm__isnull=False),
                 name="result_valid_norm",
             ),
+            # a device's latest valid norm (validation._carried: what error feedback may carry).
+            models.Index(
+                fields=["device", "-id"],
+                condition=models.Q(validation="valid", update_norm__isnull=False),
+                name="result_device_valid_norm",
+            ),
         ]
 
     def __str__(self) -> str:

@@ -13,12 +13,12 @@ from django.db import connection, transaction
 from safetensors.torch import save as st_save
 
 from engine import codecs
-from projects import validation
+from projects import lifecycle, validation
 from projects.blobs import blob_put
 from projects.models import Project, Result, WorkUnit
 from projects.validation import recompute
 from tests.integration.volunteer import assign, honest_update, judged, receive, tampered
-from workers.models import CreditEntry, Volunteer
+from workers.models import CreditEntry, Device, Volunteer
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -378,3 +378,34 @@ def test_the_norm_read_from_int8_values_is_the_decoded_updates(
     decoded = codecs.decode(payload)[0]
     exact = math.sqrt(sum(float((value.double() ** 2).sum()) for value in decoded.values()))
     assert math.isclose(judged(result).update_norm or 0.0, exact, rel_tol=1e-6)
+
+
+@pytest.mark.parametrize("codec", ["int8", "int4"])
+def test_a_small_unit_after_a_large_one_passes_with_the_residual_it_carries(
+    mlp_project: Project, volunteer_user: User, codec: str
+) -> None:
+    """Crowd rounds give a device a unit of a few samples after one of thousands: error feedback then carries
+    a residual larger than the small update itself, and honest results failed their spot checks by 28-98%.
+    The same device's earlier update bounds what may be carried; another device's allows nothing."""
+    Project.objects.filter(pk=mlp_project.pk).update(codec=codec)
+    device = Device.objects.create(volunteer=Volunteer.objects.create(user=volunteer_user), backend="webgl")
+    earlier = assign(User.objects.create_user("earlier"))
+    small = lifecycle.work_unit_assign(user=volunteer_user, device=device)
+    assert small is not None
+    delta = recompute(work_unit=small.work_unit)
+    feedback = codecs.ErrorFeedback(codec)
+    spread = 300 * _flat_norm(delta) / math.sqrt(sum(t.numel() for t in delta.values()))
+    sent = codecs.decode(feedback.compress({k: torch.randn_like(v) * spread for k, v in delta.items()}))[0]
+    honest = feedback.compress(delta)
+    project = small.work_unit.project
+    decoded = codecs.decode(honest)[0]
+    assert validation._disagreement(project=project, update=decoded, reference=delta, against="x")
+    Result.objects.filter(pk=earlier.pk).update(validation="valid", update_norm=_flat_norm(sent))
+    assert validation._carried(result=small, project=project) == 0  # not this device's
+    Result.objects.filter(pk=earlier.pk).update(device=device)
+    assert receive(volunteer_user, small, honest).status == "valid"
+    assert judged(small).spot_checked
+
+
+def _flat_norm(tensors: Any) -> float:
+    return math.sqrt(sum(float((t.double() ** 2).sum()) for t in tensors.values()))
