@@ -24,6 +24,20 @@ def daphne_limits() -> list[str]:
     return ["--websocket-max-message-size", size, "--websocket-max-frame-size", size]
 
 
+# A storm of reconnects arrives at once: with Twisted's default listen backlog (50), the kernel dropped the
+# SYNs past it and each of those clients waited 1, 3, 7 s to try again. The kernel caps it at somaxconn.
+LISTEN_BACKLOG = 4096
+# daphne closes a WebSocket the application has not accepted within this many seconds (its default: 5).
+CONNECT_TIMEOUT_SECONDS = 30
+
+
+def daphne_listen(host: str, port: int) -> list[str]:
+    """daphne's listening socket (an endpoint string, as `-b`/`-p` allow no backlog) and handshake limit."""
+    interface = host.replace(":", "\\:")  # endpoint strings escape an IPv6 address's colons
+    endpoint = f"tcp:port={port}:interface={interface}:backlog={LISTEN_BACKLOG}"
+    return ["-e", endpoint, "--websocket_connect_timeout", str(CONNECT_TIMEOUT_SECONDS)]
+
+
 def worker_args() -> list[str]:
     """A Celery worker on both queues, one task at a time. Validations run side by side with a thread or
     prefork pool, but with either, a Redis restart with tasks in flight crashed the worker (kombu's
@@ -56,7 +70,7 @@ def platform_children(host: str, port: int, beat_schedule: Path) -> list[Child]:
     return [
         Child(
             "web",
-            [*python, "daphne", "-b", host, "-p", str(port), *daphne_limits(), "config.asgi:application"],
+            [*python, "daphne", *daphne_listen(host, port), *daphne_limits(), "config.asgi:application"],
         ),
         Child("worker", [*celery, *worker_args(), "-l", "info"]),
         Child("validator", [*celery, *validator_args(), "-l", "info"]),
