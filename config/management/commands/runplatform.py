@@ -15,6 +15,7 @@ from django.core.management.base import BaseCommand, CommandError
 from config import supervisor
 from config.supervisor import Child, emit
 
+ASGI_APP = "config.asgi:application"
 ANY_ADDRESS = {"0.0.0.0", "::", ""}
 
 
@@ -68,10 +69,8 @@ def platform_children(host: str, port: int, beat_schedule: Path) -> list[Child]:
     python = [sys.executable, "-m"]
     celery = [*python, "celery", "-A", "config"]
     return [
-        Child(
-            "web",
-            [*python, "daphne", *daphne_listen(host, port), *daphne_limits(), "config.asgi:application"],
-        ),
+        # daphne with a connection check that scales (config/web_server.py).
+        Child("web", [*python, "config.web_server", *daphne_listen(host, port), *daphne_limits(), ASGI_APP]),
         Child("worker", [*celery, *worker_args(), "-l", "info"]),
         Child("validator", [*celery, *validator_args(), "-l", "info"]),
         Child("baseline", ["nice", "-n", str(BASELINE_NICE), *celery, *baseline_args(), "-l", "info"]),
