@@ -5,11 +5,15 @@
 daphne's application_checker runs every second over every connection (has its application ended? has
 it outlived its socket?): 60 ms of the one event loop every second with 50,000 idle volunteers, so every
 page waited behind it. Here it visits only the connections that disconnected or whose application ended
-since (a set filled by daphne's own hooks), with daphne's own logic, and keeps those still pending."""
+since (a set filled by daphne's own hooks), with daphne's own logic, and keeps those still pending.
+
+It also freezes what start-up made (Django, the app, ~300,000 objects) out of the garbage collector's way:
+each full collection walked them all, a 137 ms pause of the event loop every time."""
 
 from __future__ import annotations
 
 import asyncio
+import gc
 from typing import Any
 
 from daphne.cli import CommandLineInterface
@@ -22,6 +26,10 @@ class WatchingServer(Server):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.watched: set[Any] = set()
+
+    def run(self) -> None:
+        gc.freeze()  # the application is loaded by now: its objects live as long as the process
+        super().run()
 
     def protocol_disconnected(self, protocol: Any) -> None:
         super().protocol_disconnected(protocol)

@@ -354,7 +354,10 @@ def sample(bench: Bench, label: str) -> dict[str, Any]:
         row = conn.execute("SELECT count(*) FROM workers_device WHERE disconnected_at IS NULL").fetchone()
     connected = row[0] if row else 0
     store = redis.Redis.from_url(bench.stack.env()["REDIS_URL"])
-    members = sum(int(store.zcard(key)) for key in store.scan_iter(match="asgi:group:*", count=1000))
+    with store.pipeline(transaction=False) as pipe:  # one round trip for the 50,000 users' groups
+        for key in store.scan_iter(match="asgi:group:*", count=1000):
+            pipe.zcard(key)
+        members = sum(int(n) for n in pipe.execute())
     clients = [c for c in store.client_list() if int(c.get("db", -1)) == bench.stack.redis_db]
     pid = bench.stack.processes["web"].pid
     fds = len(os.listdir(f"/proc/{pid}/fd"))

@@ -5,6 +5,7 @@ SYNs of a 10,000-volunteer storm), and its connection check visits only the conn
 from __future__ import annotations
 
 import asyncio
+import gc
 import os
 import socket
 import subprocess
@@ -121,6 +122,16 @@ async def checked_connections(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_the_connection_check_visits_only_what_changed(monkeypatch: pytest.MonkeyPatch) -> None:
     asyncio.run(checked_connections(monkeypatch))
+
+
+def test_start_up_objects_are_frozen_out_of_the_collector(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("daphne.server.Server.run", lambda self: None)
+    gc.unfreeze()
+    try:
+        WatchingServer(application=None, endpoints=["tcp:port=0"]).run()
+        assert gc.get_freeze_count() > 0
+    finally:
+        gc.unfreeze()
 
 
 def test_the_web_server_is_daphne_with_the_watching_server() -> None:
