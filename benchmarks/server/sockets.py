@@ -20,7 +20,8 @@ its own (127.0.0.2, 127.0.0.3, ...), as one source address reaches one server po
 ~28,000 ephemeral ports of net.ipv4.ip_local_port_range. Every socket is a file descriptor in daphne and in a
 client: run as root, the benchmark raises its own hard RLIMIT_NOFILE (children inherit it) to what N needs;
 otherwise the operator raises it first (`ulimit -Hn 131072` as root in the shell that runs it, or
-`prlimit --nofile=131072:131072 -- .venv/bin/python -m benchmarks.server.sockets ...`).
+`prlimit --nofile=131072:131072 -- .venv/bin/python -m benchmarks.server.sockets ...`). Raising a hard
+limit needs CAP_SYS_RESOURCE: a container without it keeps its hard limit, and the table says which held.
 """
 
 from __future__ import annotations
