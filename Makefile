@@ -106,7 +106,8 @@ bench-server: setup-dev
 
 # benchmarks/server/sockets.py: one daphne on the real stack, N idle volunteers, K simultaneous reconnects, all
 # closing at once (a few minutes; its own target so bench-server stays quick). Drops and creates its database.
-# Bigger: BENCH_SOCKETS_ARGS="--volunteers 20000 --storm 10000"; results in benchmarks/results/server-sockets.json.
+# At the issue's scale, as root (it raises its own RLIMIT_NOFILE; otherwise `ulimit -Hn 131072` first):
+# BENCH_SOCKETS_ARGS="--volunteers 50000 --storm 10000 --heartbeat 10"; results in server-sockets.json.
 BENCH_SOCKETS_ARGS ?=
 bench-sockets: setup-dev
 	$(PY) -m benchmarks.server.sockets $(BENCH_SOCKETS_ARGS)

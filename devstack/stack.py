@@ -14,11 +14,18 @@ from typing import Self
 
 import psycopg
 
-from config.management.commands.runplatform import BASELINE_NICE, baseline_args, validator_args, worker_args
+from config.management.commands.runplatform import (
+    BASELINE_NICE,
+    baseline_args,
+    daphne_listen,
+    validator_args,
+    worker_args,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 PYTHON = sys.executable
 ASGI_APP = "config.asgi:application"
+WEB_SERVER = "config.web_server"  # daphne, with a connection check that scales (config/web_server.py)
 # Results arrive as one WebSocket frame (CROWDTRAIN_MAX_RESULT_BYTES' default, plus headroom).
 FRAME_LIMIT = str(129 * 2**20)
 DAPHNE_LIMITS = ("--websocket-max-message-size", FRAME_LIMIT, "--websocket-max-frame-size", FRAME_LIMIT)
@@ -133,7 +140,8 @@ class Stack:
         for index in range(self.webs):
             name = replica("web", index)
             port = self.web_ports.setdefault(name, self.port if index == 0 else free_port())
-            self._spawn(name, "-m", "daphne", "-b", "127.0.0.1", "-p", str(port), *DAPHNE_LIMITS, ASGI_APP)
+            listen = daphne_listen("127.0.0.1", port)
+            self._spawn(name, "-m", WEB_SERVER, *listen, *DAPHNE_LIMITS, ASGI_APP)
         for index in range(self.workers):
             name = replica("worker", index)
             # Celery's node names must differ, or the workers' control commands (and logs) mix them up.

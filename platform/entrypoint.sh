@@ -43,8 +43,12 @@ case "$role" in
         # One file descriptor per volunteer's socket: the soft limit up to the hard one (config/asgi.py
         # does it too, for daphne started any other way). Raise the hard one with compose's `ulimits`.
         ulimit -n "$(ulimit -H -n)" 2>/dev/null || true
-        exec daphne --proxy-headers -b 0.0.0.0 -p "${PORT:-8000}" \
-            --websocket-max-message-size "$limit" --websocket-max-frame-size "$limit" config.asgi:application
+        # The listen backlog and handshake limit of runplatform's daphne_listen: a storm of reconnects
+        # overflowed Twisted's default backlog (50) and daphne's 5 s handshake limit. config/web_server.py is
+        # daphne with a connection check that does not walk every idle socket every second.
+        exec python -m config.web_server --proxy-headers -e "tcp:port=${PORT:-8000}:interface=0.0.0.0:backlog=4096" \
+            --websocket_connect_timeout 30 --websocket-max-message-size "$limit" \
+            --websocket-max-frame-size "$limit" config.asgi:application
         ;;
     worker)
         wait_for_db

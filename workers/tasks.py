@@ -5,7 +5,7 @@ from __future__ import annotations
 from celery import shared_task
 from django.conf import settings
 
-from workers.liveness import devices_sweep
+from workers.liveness import devices_sweep_all
 from workers.stats import stats_export
 
 
@@ -17,5 +17,7 @@ def export_stats() -> dict[str, int]:
 
 @shared_task(ignore_result=True)
 def sweep_devices() -> int:
-    """Devices whose connection died uncleanly (workers/liveness.py); beat runs it every heartbeat."""
-    return devices_sweep(stale_seconds=settings.SOCKET_STALE_SECONDS)
+    """Devices whose connection died uncleanly (workers/liveness.py); beat runs it every heartbeat, and it
+    ends before the next run is due."""
+    budget = settings.SOCKET_HEARTBEAT_SECONDS / 2
+    return devices_sweep_all(stale_seconds=settings.SOCKET_STALE_SECONDS, budget_seconds=budget)

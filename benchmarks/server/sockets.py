@@ -1,5 +1,5 @@
 """Sockets on one daphne (issue 15, item 3), on the real stack (devstack.stack.Stack: daphne, the Celery
-workers and beat, PostgreSQL, Redis), measured from WebSocket clients in this process:
+workers and beat, PostgreSQL, Redis), measured from WebSocket clients in processes of their own:
 
     .venv/bin/python -m benchmarks.server.sockets [--volunteers 3000] [--storm 2000] [--database NAME]
 
@@ -13,6 +13,15 @@ workers and beat, PostgreSQL, Redis), measured from WebSocket clients in this pr
 A probe GETs the home page every 100 ms throughout: p50/p99 per phase. Redis clients on the stack's database
 and daphne's file descriptors and memory are sampled at each step. Prints a table and writes
 benchmarks/results/server-sockets.json. The database is dropped and created anew (Stack).
+
+At scale (tens of thousands of sockets) the clients are not this process: one client process per
+`--per-client` volunteers (a Python event loop handles ~10-15k sockets), each on a loopback source address of
+its own (127.0.0.2, 127.0.0.3, ...), as one source address reaches one server port through at most the
+~28,000 ephemeral ports of net.ipv4.ip_local_port_range. Every socket is a file descriptor in daphne and in a
+client: run as root, the benchmark raises its own hard RLIMIT_NOFILE (children inherit it) to what N needs;
+otherwise the operator raises it first (`ulimit -Hn 131072` as root in the shell that runs it, or
+`prlimit --nofile=131072:131072 -- .venv/bin/python -m benchmarks.server.sockets ...`). Raising a hard
+limit needs CAP_SYS_RESOURCE: a container without it keeps its hard limit, and the table says which held.
 """
 
 from __future__ import annotations
@@ -20,6 +29,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import multiprocessing
 import os
 import random
 import re
@@ -32,12 +42,13 @@ import time
 import urllib.request
 from dataclasses import dataclass, field
 from datetime import timedelta
+from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
 from websockets.asyncio.client import ClientConnection, connect
 
-from devstack.stack import ROOT, Stack
+from devstack.stack import REDIS_SERVER, ROOT, Stack
 
 RESULTS = Path(__file__).resolve().parent.parent / "results"
 BACKOFF_JS = ROOT / "frontend/static/frontend/backoff.js"
@@ -66,6 +77,22 @@ def reconnect_delay(attempt: int) -> float:
     return random.random() * min(CAP_MS, BASE_MS * 2 ** min(max(attempt, 0), 30)) / 1000
 
 
+# The last run before this one (3,000 volunteers, one client process, one source address; 2,000 storm).
+PREVIOUS = {
+    "volunteers": 3000,
+    "storm": 2000,
+    "ramp_seconds": 52.88,
+    "storm_at_once_first_try_rate": 0.8855,
+    "storm_backoff_success_rate": 0.9751,
+    "devices_connected_after_sweep": 229,
+    "group_members_after_sweep": 458,
+    "redis_clients_connected": 71,
+    "page_p99_ms": {"ramp": 3368.3, "idle": 1172.6, "storm at once": 13520.7, "after close": 1003.8},
+}
+PER_CLIENT = 12_500  # sockets per client process
+SOURCE_BASE = "127.0.0."  # client process i binds its sockets to 127.0.0.(2 + i)
+
+
 @dataclass
 class Volunteer:
     cookie: str
@@ -74,16 +101,128 @@ class Volunteer:
 
 
 @dataclass
+class Client:
+    """One client process's volunteers, all on one loopback source address."""
+
+    url: str
+    origin: str
+    source: str
+    volunteers: list[Volunteer]
+
+    async def open_socket(self, volunteer: Volunteer) -> bool:
+        """Connect, hello, welcome: True when all three happened. A failed attempt's socket is closed (the
+        last run leaked the 229 whose welcome came late: daphne rightly kept their devices connected)."""
+        socket: ClientConnection | None = None
+        try:
+            socket = await self._connect(volunteer)
+            await socket.send(json.dumps(hello(volunteer)))
+            reply = json.loads(await asyncio.wait_for(socket.recv(), 30))
+        except Exception:  # noqa: BLE001 - any failure counts
+            reply = {}
+        if reply.get("type") != "welcome":
+            if socket is not None:
+                socket.transport.abort()
+            return False
+        volunteer.socket = socket
+        return True
+
+    async def _connect(self, volunteer: Volunteer) -> ClientConnection:
+        headers = {"Cookie": volunteer.cookie, "Origin": self.origin}
+        return await connect(
+            self.url,
+            additional_headers=headers,
+            open_timeout=30,
+            ping_interval=None,  # daphne pings; the library answers
+            max_queue=None,  # broadcasts nobody reads must not stop the pongs
+            local_addr=(self.source, 0),
+        )
+
+    async def ramp(self, concurrency: int) -> dict[str, Any]:
+        gate = asyncio.Semaphore(concurrency)
+
+        async def one(volunteer: Volunteer) -> bool:
+            async with gate:
+                return await self.open_socket(volunteer)
+
+        done = await asyncio.gather(*(one(v) for v in self.volunteers))
+        return {"connected": sum(done), "failed": len(done) - sum(done)}
+
+    async def reconnect(self, volunteer: Volunteer, *, jitter: bool, deadline: float) -> tuple[int, int]:
+        """(attempts, failures) until this volunteer is back, with the page's back-off between attempts."""
+        attempts = failures = 0
+        while time.monotonic() < deadline:
+            if jitter or attempts:
+                await asyncio.sleep(reconnect_delay(failures))
+            attempts += 1
+            if await self.open_socket(volunteer):
+                return attempts, failures
+            failures += 1
+        return attempts, failures
+
+    async def storm(self, k: int, jitter: bool) -> dict[str, Any]:
+        """K of this client's volunteers lose their sockets at the same instant (aborted) and come back."""
+        chosen = [v for v in self.volunteers if v.socket is not None][:k]
+        for volunteer in chosen:
+            abort(volunteer)
+        started = time.monotonic()
+        deadline = started + 300
+        outcomes = await asyncio.gather(
+            *(self.reconnect(v, jitter=jitter, deadline=deadline) for v in chosen)
+        )
+        return {
+            "volunteers": len(chosen),
+            "back": sum(v.socket is not None for v in chosen),
+            "attempts": sum(a for a, _ in outcomes),
+            "failed_attempts": sum(f for _, f in outcomes),
+            "first_try": sum(f == 0 for _, f in outcomes),
+            "seconds_until_all_back": round(time.monotonic() - started, 2),
+        }
+
+    async def close(self) -> int:
+        live = [v for v in self.volunteers if v.socket is not None]
+        for volunteer in live:
+            abort(volunteer)
+        return len(live)
+
+
+def hello(volunteer: Volunteer) -> dict[str, Any]:
+    return {"type": "hello", "protocol": 1, "device": {"id": volunteer.device, "backend": "cpu", "gflops": 1}}
+
+
+def abort(volunteer: Volunteer) -> None:
+    """As a killed browser: the TCP connection reset, no close handshake."""
+    assert volunteer.socket is not None
+    volunteer.socket.transport.abort()
+    volunteer.socket = None
+
+
+def client_main(conn: Connection, client: Client) -> None:
+    """A client process: runs the commands the benchmark sends (ramp, storm, close) until `stop`."""
+    asyncio.run(client_serve(conn, client))
+
+
+async def client_serve(conn: Connection, client: Client) -> None:
+    loop = asyncio.get_running_loop()
+    while True:
+        command, *args = await loop.run_in_executor(None, conn.recv)
+        if command == "stop":
+            return
+        conn.send(await getattr(client, command)(*args))
+
+
+@dataclass
 class Bench:
     stack: Stack
-    volunteers: list[Volunteer]
+    clients: list[tuple[multiprocessing.process.BaseProcess, Connection]]
     phase: str = "idle"
     latencies: dict[str, list[float]] = field(default_factory=dict)
     samples: dict[str, dict[str, Any]] = field(default_factory=dict)
 
-    @property
-    def ws_url(self) -> str:
-        return self.stack.url.replace("http://", "ws://") + "/ws/volunteer/"
+    async def command(self, *command: Any) -> list[Any]:
+        """The same command to every client process at once; their answers."""
+        for _, conn in self.clients:
+            conn.send(command)
+        return await asyncio.gather(*(asyncio.to_thread(conn.recv) for _, conn in self.clients))
 
 
 def parser() -> argparse.ArgumentParser:
@@ -91,6 +230,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--volunteers", type=int, default=3000, help="idle volunteers to ramp up (N)")
     p.add_argument("--storm", type=int, default=2000, help="simultaneous reconnects (K <= N)")
     p.add_argument("--concurrency", type=int, default=200, help="connects in flight during the ramp")
+    p.add_argument("--per-client", type=int, default=PER_CLIENT, help="sockets per client process")
     p.add_argument("--heartbeat", type=int, default=5, help="CROWDTRAIN_SOCKET_HEARTBEAT_SECONDS for the run")
     p.add_argument("--database", default="crowdtrain_sockets_bench", help="scratch database (dropped first)")
     p.add_argument("--redis-db", type=int, default=14, help="Redis database (flushed first)")
@@ -98,9 +238,17 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
-def open_files_raised() -> None:
+def open_files_raised(volunteers: int) -> dict[str, int]:
+    """Soft and hard RLIMIT_NOFILE for this process and the ones it starts (daphne, the clients): raised to
+    what N sockets need when this runs as root (the kernel's fs.nr_open caps it), else the hard limit."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    wanted = min(int(Path("/proc/sys/fs/nr_open").read_text()), max(hard, 2 * volunteers + 16_384))
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, wanted))
+    except (ValueError, OSError):  # not root: the operator raises the hard limit (see the docstring)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    return {"soft": soft, "hard": hard, "before": hard if hard != wanted else soft}
 
 
 def make_volunteers(n: int) -> list[Volunteer]:
@@ -114,7 +262,7 @@ def make_volunteers(n: int) -> list[Volunteer]:
 
     tag = secrets.token_hex(3)
     users = User.objects.bulk_create(
-        [User(username=f"sock-{tag}-{i}", password="!unusable") for i in range(n)], batch_size=1000
+        [User(username=f"sock-{tag}-{i}", password="!unusable") for i in range(n)], batch_size=5000
     )
     store, expiry = SessionStore(), timezone.now() + timedelta(days=1)
     backend = settings.AUTHENTICATION_BACKENDS[0]
@@ -134,90 +282,56 @@ def make_volunteers(n: int) -> list[Volunteer]:
             )
             for key, u in zip(keys, users, strict=True)
         ],
-        batch_size=1000,
+        batch_size=5000,
     )
     name = settings.SESSION_COOKIE_NAME
     return [Volunteer(cookie=f"{name}={key}", device=secrets.token_hex(8)) for key in keys]
 
 
-async def open_socket(bench: Bench, volunteer: Volunteer) -> bool:
-    """Connect, hello, welcome: True when all three happened (daphne's own handshake limit is 5 s)."""
-    headers = {"Cookie": volunteer.cookie, "Origin": bench.stack.url}
-    hello = {
-        "type": "hello",
-        "protocol": 1,
-        "device": {"id": volunteer.device, "backend": "cpu", "gflops": 1},
-    }
-    try:
-        socket = await connect(bench.ws_url, additional_headers=headers, open_timeout=30, ping_interval=None)
-        await socket.send(json.dumps(hello))
-        reply = json.loads(await asyncio.wait_for(socket.recv(), 30))
-    except (OSError, TimeoutError, Exception):  # noqa: BLE001 - any failure counts
-        return False
-    if reply.get("type") != "welcome":
-        await socket.close()
-        return False
-    volunteer.socket = socket
-    return True
+def start_clients(stack: Stack, volunteers: list[Volunteer], per_client: int) -> list[Any]:
+    """Client processes (spawned: no Django, no event loop of ours), each with its share of volunteers."""
+    context = multiprocessing.get_context("spawn")
+    url = stack.url.replace("http://", "ws://") + "/ws/volunteer/"
+    clients = []
+    for index, start in enumerate(range(0, len(volunteers), per_client)):
+        client = Client(url, stack.url, f"{SOURCE_BASE}{2 + index}", volunteers[start : start + per_client])
+        ours, theirs = context.Pipe()
+        process = context.Process(target=client_main, args=(theirs, client), daemon=True)
+        process.start()
+        clients.append((process, ours))
+    return clients
+
+
+def stop_clients(bench: Bench) -> None:
+    for process, conn in bench.clients:
+        conn.send(("stop",))
+        process.join(timeout=30)
+        if process.is_alive():
+            process.kill()
 
 
 async def ramp(bench: Bench, concurrency: int) -> dict[str, Any]:
-    gate = asyncio.Semaphore(concurrency)
-
-    async def one(volunteer: Volunteer) -> bool:
-        async with gate:
-            return await open_socket(bench, volunteer)
-
     started = time.monotonic()
-    done = await asyncio.gather(*(one(v) for v in bench.volunteers))
+    share = max(1, concurrency // len(bench.clients))
+    parts = await bench.command("ramp", share)
     seconds = time.monotonic() - started
-    return {"connected": sum(done), "failed": len(done) - sum(done), "seconds": round(seconds, 2)}
-
-
-async def reconnect(bench: Bench, volunteer: Volunteer, *, jitter: bool, deadline: float) -> tuple[int, int]:
-    """(attempts, failures) until this volunteer is back, with the page's back-off between attempts."""
-    attempts = failures = 0
-    while time.monotonic() < deadline:
-        if jitter or attempts:
-            await asyncio.sleep(reconnect_delay(failures))
-        attempts += 1
-        if await open_socket(bench, volunteer):
-            return attempts, failures
-        failures += 1
-    return attempts, failures
+    connected, failed = sum(p["connected"] for p in parts), sum(p["failed"] for p in parts)
+    return {"connected": connected, "failed": failed, "seconds": round(seconds, 2)}
 
 
 async def storm(bench: Bench, k: int, *, jitter: bool) -> dict[str, Any]:
-    """K volunteers lose their sockets at the same instant (aborted) and come back."""
-    chosen = [v for v in bench.volunteers if v.socket is not None][:k]
-    for volunteer in chosen:
-        assert volunteer.socket is not None
-        volunteer.socket.transport.abort()
-        volunteer.socket = None
-    started = time.monotonic()
-    deadline = started + 180
-    outcomes = await asyncio.gather(*(reconnect(bench, v, jitter=jitter, deadline=deadline) for v in chosen))
-    attempts, failures = sum(a for a, _ in outcomes), sum(f for _, f in outcomes)
-    back = sum(v.socket is not None for v in chosen)
+    """K volunteers, spread over the client processes, lose their sockets at one instant and come back."""
+    share = -(-k // len(bench.clients))
+    parts = await bench.command("storm", share, jitter)
+    total = {key: sum(p[key] for p in parts) for key in ("volunteers", "back", "attempts", "failed_attempts")}
+    attempts, failures, chosen = total["attempts"], total["failed_attempts"], total["volunteers"]
+    first_try = sum(p["first_try"] for p in parts)
     return {
-        "volunteers": len(chosen),
-        "back": back,
-        "attempts": attempts,
-        "failed_attempts": failures,
+        **total,
         "success_rate": round((attempts - failures) / attempts, 4) if attempts else None,
-        "first_try_rate": round(sum(f == 0 for _, f in outcomes) / len(chosen), 4) if chosen else None,
-        "seconds_until_all_back": round(time.monotonic() - started, 2),
+        "first_try_rate": round(first_try / chosen, 4) if chosen else None,
+        "seconds_until_all_back": max(p["seconds_until_all_back"] for p in parts),
     }
-
-
-def close_all(bench: Bench) -> int:
-    closed = 0
-    for volunteer in bench.volunteers:
-        if volunteer.socket is not None:
-            volunteer.socket.transport.abort()
-            volunteer.socket = None
-            closed += 1
-    return closed
 
 
 async def probe(bench: Bench) -> None:
@@ -241,7 +355,10 @@ def sample(bench: Bench, label: str) -> dict[str, Any]:
         row = conn.execute("SELECT count(*) FROM workers_device WHERE disconnected_at IS NULL").fetchone()
     connected = row[0] if row else 0
     store = redis.Redis.from_url(bench.stack.env()["REDIS_URL"])
-    members = sum(int(store.zcard(key)) for key in store.scan_iter(match="asgi:group:*", count=1000))
+    with store.pipeline(transaction=False) as pipe:  # one round trip for the 50,000 users' groups
+        for key in store.scan_iter(match="asgi:group:*", count=1000):
+            pipe.zcard(key)
+        members = sum(int(n) for n in pipe.execute())
     clients = [c for c in store.client_list() if int(c.get("db", -1)) == bench.stack.redis_db]
     pid = bench.stack.processes["web"].pid
     fds = len(os.listdir(f"/proc/{pid}/fd"))
@@ -261,8 +378,9 @@ def sample(bench: Bench, label: str) -> dict[str, Any]:
 
 
 def redis_connections(bench: Bench) -> dict[str, int]:
-    """Open TCP connections to Redis, by stack process (ss -p)."""
-    out = subprocess.run(["ss", "-tnpH", "dport = :6379"], capture_output=True, text=True).stdout
+    """Open TCP connections to the stack's Redis, by stack process (ss -p)."""
+    port = REDIS_SERVER.rsplit(":", 1)[1].split("/")[0]
+    out = subprocess.run(["ss", "-tnpH", f"dport = :{port}"], capture_output=True, text=True).stdout
     pids = {process.pid: name for name, process in bench.stack.processes.items()}
     counts: dict[str, int] = {}
     for pid in re.findall(r"pid=(\d+)", out):
@@ -286,24 +404,25 @@ def percentiles(values: list[float]) -> dict[str, float | int]:
 
 async def scenario(bench: Bench, args: argparse.Namespace) -> dict[str, Any]:
     prober = asyncio.create_task(probe(bench))
-    sample(bench, "before")
+    await asyncio.to_thread(sample, bench, "before")
     result: dict[str, Any] = {}
     bench.phase = "ramp"
     result["ramp"] = await ramp(bench, args.concurrency)
     bench.phase = "idle"
     await asyncio.sleep(args.heartbeat * 2)  # a heartbeat or two with everyone connected
-    sample(bench, "connected")
+    await asyncio.to_thread(sample, bench, "connected")
     bench.phase = "storm at once"
     result["storm_at_once"] = await storm(bench, args.storm, jitter=False)
     bench.phase = "storm with back-off"
     result["storm_backoff"] = await storm(bench, args.storm, jitter=True)
+    await asyncio.to_thread(sample, bench, "after the storms")
     bench.phase = "close"
-    result["closed"] = close_all(bench)
+    result["closed"] = sum(await bench.command("close"))
     await asyncio.sleep(3)
-    sample(bench, "3 s after close")
+    await asyncio.to_thread(sample, bench, "3 s after close")
     bench.phase = "after close"
     await asyncio.sleep(args.heartbeat * 6)  # stale (4 heartbeats) + a sweep
-    sample(bench, "after the sweep")
+    await asyncio.to_thread(sample, bench, "after the sweep")
     prober.cancel()
     result["pages"] = {phase: percentiles(values) for phase, values in bench.latencies.items()}
     result["samples"] = bench.samples
@@ -313,7 +432,7 @@ async def scenario(bench: Bench, args: argparse.Namespace) -> dict[str, Any]:
 def setup(args: argparse.Namespace, var_dir: Path) -> Stack:
     extra = {
         "CROWDTRAIN_SOCKET_HEARTBEAT_SECONDS": str(args.heartbeat),
-        # One address (this machine) for every volunteer: the per-address throttle would refuse them.
+        # A few source addresses for every volunteer: the per-address throttle would refuse them.
         "CROWDTRAIN_WS_CONNECTS_PER_MINUTE_IP": str(10 * (args.volunteers + 2 * args.storm)),
     }
     stack = Stack(var_dir=var_dir, database=args.database, redis_db=args.redis_db, extra_env=extra)
@@ -329,7 +448,10 @@ def django_for(stack: Stack) -> None:
 
 def table(result: dict[str, Any]) -> str:
     cfg, ramp_, samples = result["config"], result["ramp"], result["samples"]
-    lines = [f"Sockets on one daphne: N={cfg['volunteers']} idle volunteers, K={cfg['storm']} reconnects"]
+    lines = [
+        f"Sockets on one daphne: N={cfg['volunteers']} idle volunteers, K={cfg['storm']} reconnects, "
+        f"{cfg['client_processes']} client processes, RLIMIT_NOFILE {cfg['open_files']['hard']}"
+    ]
     lines.append(f"  ramp: {ramp_['connected']} connected, {ramp_['failed']} failed, in {ramp_['seconds']} s")
     for key, label in (
         ("storm_at_once", "storm, all at once"),
@@ -356,20 +478,35 @@ def table(result: dict[str, Any]) -> str:
             f"{p.get('max_ms', '-'):>9}"
         )
     lines.append(f"  before (issue 15): {json.dumps(BEFORE)}")
+    lines.append(f"  previous run: {json.dumps(PREVIOUS)}")
     return "\n".join(lines)
+
+
+def run(args: argparse.Namespace, var_dir: Path) -> dict[str, Any]:
+    with setup(args, var_dir) as stack:
+        django_for(stack)
+        started = time.monotonic()
+        volunteers = make_volunteers(args.volunteers)
+        seeded = round(time.monotonic() - started, 2)
+        bench = Bench(stack=stack, clients=start_clients(stack, volunteers, args.per_client))
+        try:
+            result = asyncio.run(scenario(bench, args))
+        finally:
+            stop_clients(bench)
+    result["seed_seconds"] = seeded
+    result["client_processes"] = len(bench.clients)
+    return result
 
 
 def main() -> None:
     args = parser().parse_args()
     args.storm = min(args.storm, args.volunteers)
-    open_files_raised()
+    open_files = open_files_raised(args.volunteers)
     var_dir = Path(tempfile.mkdtemp(prefix="crowdtrain-sockets-bench-"))
-    with setup(args, var_dir) as stack:
-        django_for(stack)
-        bench = Bench(stack=stack, volunteers=make_volunteers(args.volunteers))
-        result = asyncio.run(scenario(bench, args))
-    result["config"] = {k: v for k, v in vars(args).items() if k != "output"}
-    result["before"] = BEFORE
+    result = run(args, var_dir)
+    result["config"] = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
+    result["config"].update(open_files=open_files, client_processes=result.pop("client_processes"))
+    result["before"] = {**BEFORE, "previous_run": PREVIOUS}
     print(table(result))
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text(json.dumps(result, indent=1) + "\n")

@@ -5,12 +5,14 @@ from __future__ import annotations
 
 from datetime import timedelta
 
+import pytest
 from django.contrib.auth.models import User
 from django.utils import timezone
 
 from projects import lifecycle
 from projects.models import Project, Result
 from tests.workers.conftest import device_of
+from workers import liveness
 from workers.liveness import devices_depart, devices_sweep, devices_touch
 from workers.models import Device
 from workers.tasks import sweep_devices
@@ -49,6 +51,28 @@ def test_the_beat_task_sweeps_with_the_settings_timeout(volunteer_user: User, se
     _age(device, 10_000)
     assert sweep_devices() == 1
     assert Device.objects.get(pk=device.pk).disconnected_at is not None
+
+
+def test_the_beat_task_sweeps_every_batch_of_a_dead_process(
+    volunteer_user: User, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """More stale devices than one batch (a web process that died with its thousands): all of them in one
+    run, batch after batch."""
+    monkeypatch.setattr(liveness, "SWEEP_BATCH", 4)
+    for index in range(10):
+        _age(device_of(volunteer_user, name=f"browser-{index}"), 10_000)
+    assert sweep_devices() == 10
+    assert not Device.objects.filter(disconnected_at__isnull=True).exists()
+
+
+def test_the_sweep_stops_when_its_budget_is_spent(
+    volunteer_user: User, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(liveness, "SWEEP_BATCH", 4)
+    for index in range(10):
+        _age(device_of(volunteer_user, name=f"browser-{index}"), 10_000)
+    # One batch at least; the next run does the rest.
+    assert liveness.devices_sweep_all(stale_seconds=STALE, budget_seconds=0) == 4
 
 
 def test_a_departure_does_not_disconnect_a_device_that_connected_again(volunteer_user: User) -> None:

@@ -111,6 +111,29 @@ def test_the_heartbeat_re_adds_live_members_and_stamps_their_devices(
     assert Device.objects.get(pk=device.pk).last_seen.year > 2000
 
 
+def test_the_heartbeat_stamps_a_big_group_in_slices(
+    store: redis.Redis, layer: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Thousands of members of one group: several small ZADDs, never one that holds daphne's loop."""
+    sizes: list[int] = []
+    zadd = redis.asyncio.client.Pipeline.zadd
+
+    def counted(pipe: Any, name: str, mapping: Any, *args: Any, **kwargs: Any) -> Any:
+        sizes.append(len(mapping))
+        return zadd(pipe, name, mapping, *args, **kwargs)
+
+    monkeypatch.setattr(redis.asyncio.client.Pipeline, "zadd", counted)
+    channels = [f"specific.a!{i}" for i in range(2 * presence.MEMBERS + 1)]
+
+    async def stamp() -> None:
+        big = {"volunteers": channels, "volunteer.1": channels[:1]}
+        await presence.groups_stamp(layer, big, now=time.time())
+
+    run(stamp)
+    assert len(members(store, "volunteers")) == len(channels) and len(members(store, "volunteer.1")) == 1
+    assert sorted(sizes) == [1, 1, presence.MEMBERS, presence.MEMBERS]
+
+
 def test_a_member_nobody_refreshes_is_dropped_by_the_next_broadcast(store: redis.Redis, layer: Any) -> None:
     assert layer.group_expiry == settings.SOCKET_STALE_SECONDS
     old = time.time() - settings.SOCKET_STALE_SECONDS - 5

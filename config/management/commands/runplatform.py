@@ -15,6 +15,7 @@ from django.core.management.base import BaseCommand, CommandError
 from config import supervisor
 from config.supervisor import Child, emit
 
+ASGI_APP = "config.asgi:application"
 ANY_ADDRESS = {"0.0.0.0", "::", ""}
 
 
@@ -22,6 +23,20 @@ def daphne_limits() -> list[str]:
     # Results arrive as one binary WebSocket frame; daphne's 1 MiB default would drop larger models' updates.
     size = str(settings.CROWDTRAIN["MAX_RESULT_BYTES"] + 2**20)
     return ["--websocket-max-message-size", size, "--websocket-max-frame-size", size]
+
+
+# A storm of reconnects arrives at once: with Twisted's default listen backlog (50), the kernel dropped the
+# SYNs past it and each of those clients waited 1, 3, 7 s to try again. The kernel caps it at somaxconn.
+LISTEN_BACKLOG = 4096
+# daphne closes a WebSocket the application has not accepted within this many seconds (its default: 5).
+CONNECT_TIMEOUT_SECONDS = 30
+
+
+def daphne_listen(host: str, port: int) -> list[str]:
+    """daphne's listening socket (an endpoint string, as `-b`/`-p` allow no backlog) and handshake limit."""
+    interface = host.replace(":", "\\:")  # endpoint strings escape an IPv6 address's colons
+    endpoint = f"tcp:port={port}:interface={interface}:backlog={LISTEN_BACKLOG}"
+    return ["-e", endpoint, "--websocket_connect_timeout", str(CONNECT_TIMEOUT_SECONDS)]
 
 
 def worker_args() -> list[str]:
@@ -54,10 +69,8 @@ def platform_children(host: str, port: int, beat_schedule: Path) -> list[Child]:
     python = [sys.executable, "-m"]
     celery = [*python, "celery", "-A", "config"]
     return [
-        Child(
-            "web",
-            [*python, "daphne", "-b", host, "-p", str(port), *daphne_limits(), "config.asgi:application"],
-        ),
+        # daphne with a connection check that scales (config/web_server.py).
+        Child("web", [*python, "config.web_server", *daphne_listen(host, port), *daphne_limits(), ASGI_APP]),
         Child("worker", [*celery, *worker_args(), "-l", "info"]),
         Child("validator", [*celery, *validator_args(), "-l", "info"]),
         Child("baseline", ["nice", "-n", str(BASELINE_NICE), *celery, *baseline_args(), "-l", "info"]),
