@@ -27,12 +27,12 @@ from typing import Any
 import torch
 
 from engine import aggregate, codecs, optim
-from engine.graph import Graph, load_graph
+from engine.graph import load_graph
 from engine.presets import export_preset
-from engine.runtime import compute_gradients, evaluate, local_steps
+from engine.runtime import evaluate
 
-from .config import LOCAL_MINIBATCH, RESULTS, UNITS_PER_ROUND
-from .offline import fashion
+from .config import RESULTS, UNITS_PER_ROUND
+from .offline import fashion, volunteer_update
 
 Tensors = dict[str, torch.Tensor]
 GOAL = 1 / 400
@@ -180,7 +180,7 @@ def run(setting: Setting, data: tuple[torch.Tensor, ...], target: float, limit: 
     graph = load_graph(json.dumps(spec).encode())
     inp, tgt = graph.inputs[0].name, graph.targets[0].name
     x, y, x_test, y_test = data
-    compute = _volunteer(setting, graph, inp, tgt)
+    compute = volunteer_update(setting.local_lr, graph, inp, tgt)
     server, result = Server(setting, weights), Run([], distances=[], cosines=[], norm_ratios=[])
     feedback = [_feedback(setting) for _ in range(UNITS_PER_ROUND)]
     cursor = 0
@@ -215,17 +215,6 @@ def _record_distance(result: Run, true: Tensors, sent: Tensors) -> None:
     result.norm_ratios.append(float(a.norm() / b.norm().clamp_min(1e-30)))
     result.distances.append(float((a - b).norm() / b.norm().clamp_min(1e-30)))
     result.cosines.append(float(a @ b / (a.norm() * b.norm()).clamp_min(1e-30)))
-
-
-def _volunteer(setting: Setting, graph: Graph, inp: str, tgt: str) -> Callable[..., Tensors]:
-    def update(w: Tensors, x: torch.Tensor, y: torch.Tensor) -> Tensors:
-        if not setting.local_lr:
-            return compute_gradients(graph, w, {inp: x}, {tgt: y}).grads
-        return local_steps(
-            graph, w, {inp: x}, {tgt: y}, batch_size=LOCAL_MINIBATCH, lr=setting.local_lr, momentum=0.9
-        ).delta
-
-    return update
 
 
 def main(argv: list[str] | None = None) -> int:

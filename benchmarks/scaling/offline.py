@@ -27,7 +27,7 @@ from engine.graph import Graph, load_graph
 from engine.presets import export_preset
 from engine.runtime import compute_gradients, evaluate, local_steps
 
-from .config import RESULTS, UNITS_PER_ROUND
+from .config import LOCAL_MINIBATCH, RESULTS, UNITS_PER_ROUND
 
 Tensors = dict[str, torch.Tensor]
 
@@ -68,7 +68,7 @@ def rounds_to_target(
     graph = load_graph(json.dumps(spec).encode())
     inp, tgt = graph.inputs[0].name, graph.targets[0].name
     x, y, x_test, y_test = data
-    update = _volunteer(setting, graph, inp, tgt)
+    update = volunteer_update(setting.local_lr, graph, inp, tgt)
     state: Tensors = {}
     cursor, curve = 0, list[float]()
     while len(curve) < limit and (not curve or curve[-1] < target):
@@ -89,12 +89,14 @@ def rounds_to_target(
     return curve
 
 
-def _volunteer(setting: Setting, graph: Graph, inp: str, tgt: str) -> Callable[..., Tensors]:
+def volunteer_update(local_lr: float, graph: Graph, inp: str, tgt: str) -> Callable[..., Tensors]:
+    """Weights and a slice to a volunteer's update: a gradient (local_lr 0), else its local steps' delta."""
+
     def update(w: Tensors, x: torch.Tensor, y: torch.Tensor) -> Tensors:
-        if not setting.local_lr:
+        if not local_lr:
             return compute_gradients(graph, w, {inp: x}, {tgt: y}).grads
         return local_steps(
-            graph, w, {inp: x}, {tgt: y}, batch_size=64, lr=setting.local_lr, momentum=0.9
+            graph, w, {inp: x}, {tgt: y}, batch_size=LOCAL_MINIBATCH, lr=local_lr, momentum=0.9
         ).delta
 
     return update
