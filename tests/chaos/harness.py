@@ -374,3 +374,12 @@ def storage_reclaimed(stack: ChaosStack) -> tuple[int, int]:
     pruned = scalar(stack, "SELECT count(*) FROM projects_modelversion WHERE pruned_at IS NOT NULL")
     released = scalar(stack, "SELECT count(*) FROM projects_result WHERE blob_id IS NULL AND digest <> ''")
     return int(pruned), int(released)
+
+
+def wait_for_storage_sweep(stack: ChaosStack, timeout: float = 60) -> tuple[int, int]:
+    """storage_reclaimed once some update was released, or at the timeout. Beat queues the sweep every few
+    seconds, but on a loaded machine the worker may reach it only after the validations ahead of it."""
+    deadline = time.monotonic() + timeout
+    while (reclaimed := storage_reclaimed(stack))[1] == 0 and time.monotonic() < deadline:
+        time.sleep(0.5)
+    return reclaimed

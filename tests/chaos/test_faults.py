@@ -21,6 +21,7 @@ from tests.chaos.harness import (
     settle,
     storage_reclaimed,
     violations,
+    wait_for_storage_sweep,
     wait_for_validation_backlog,
     wait_for_version,
     wait_until_holding,
@@ -69,7 +70,7 @@ def check_books(stack: ChaosStack, crowd: Crowd) -> None:
     broken = violations(stack)
     assert broken == {}, f"invariants broken: {broken}\n{tail(stack)}"
     # Beat's storage sweep ran throughout (tests/chaos/stack.py): decided updates were deleted meanwhile.
-    assert storage_reclaimed(stack)[1] > 0
+    assert wait_for_storage_sweep(stack)[1] > 0
 
 
 def test_volunteers_killed_mid_work_unit(healthy: ChaosStack) -> None:

@@ -33,8 +33,8 @@ from tests.chaos.harness import (
     latest_version,
     scalar,
     settle,
-    storage_reclaimed,
     violations,
+    wait_for_storage_sweep,
     wait_for_validation_backlog,
     wait_for_version,
     wait_until_holding,
@@ -228,7 +228,7 @@ def test_two_webs_two_workers_under_faults(stack: ChaosStack) -> None:
     with psycopg.connect(stack.database_url) as conn:
         assert conn.execute(OVER_ACCEPTED).fetchall() == []
     assert credited == totals and entries == valid > 0, (credited, totals, entries, valid)
-    assert storage_reclaimed(stack)[1] > 0
+    assert wait_for_storage_sweep(stack)[1] > 0
     # Every blob went to the bucket (the invariants found each referenced one there), none to the disk.
     assert not [path for path in stack.blob_root.rglob("*") if path.is_file()]
     assert int(scalar(stack, "SELECT count(*) FROM projects_result WHERE status = 'released'")) > 0
