@@ -13,6 +13,7 @@ from typing import Any
 
 import psycopg
 import pytest
+from django.conf import settings
 from django.contrib.auth.models import Permission, User
 from django.db import connection
 from django.test import Client
@@ -23,7 +24,7 @@ from devstack.stack import Stack
 from projects import lifecycle
 from projects.models import Dataset, Project, ProjectUsage, Result, WorkUnit
 from projects.services import TRAINING_SETTINGS, project_create, project_start
-from projects.shares import decayed, shares_order, usage_split
+from projects.shares import decayed, shares_order, usage_charge, usage_split
 from tests.conftest import run_async
 from workers.simulator import Simulator, SimulatorConfig, SimulatorStats
 
@@ -99,6 +100,19 @@ def test_recent_compute_decays_with_the_half_life(settings: Any) -> None:
     assert decayed(flops=1000.0, since=now - timedelta(seconds=60), now=now) == pytest.approx(500.0)
     assert decayed(flops=1000.0, since=now - timedelta(seconds=180), now=now) == pytest.approx(125.0)
     assert decayed(flops=1000.0, since=now + timedelta(seconds=5), now=now) == 1000.0  # clock skew
+
+
+@pytest.mark.parametrize("vendor", ["postgresql", "sqlite"])
+def test_charging_decays_what_was_there_and_adds(mlp_project: Project, monkeypatch: Any, vendor: str) -> None:
+    """One upsert on PostgreSQL; the embedded SQLite of `make run` has no power() or extract(), so it takes
+    the row lock and the ORM (every assignment failed there with a syntax error)."""
+    monkeypatch.setattr(connection, "vendor", vendor)
+    ProjectUsage.objects.filter(project=mlp_project).delete()
+    usage_charge(project_id=mlp_project.pk, flops=1000)
+    half_life = timedelta(seconds=settings.CROWDTRAIN["SHARE_HALF_LIFE_SECONDS"])
+    ProjectUsage.objects.filter(project=mlp_project).update(updated_at=timezone.now() - half_life)
+    usage_charge(project_id=mlp_project.pk, flops=10)
+    assert ProjectUsage.objects.get(project=mlp_project).recent_flops == pytest.approx(510, rel=1e-3)
 
 
 def test_choosing_a_project_costs_the_same_queries_however_many_projects_and_history(
