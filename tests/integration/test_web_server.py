@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from asgiref.sync import async_to_sync
 
 from config import web_server
 from config.management.commands.runplatform import LISTEN_BACKLOG, daphne_listen
@@ -121,7 +122,8 @@ async def checked_connections(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_the_connection_check_visits_only_what_changed(monkeypatch: pytest.MonkeyPatch) -> None:
-    asyncio.run(checked_connections(monkeypatch))
+    # Not asyncio.run: Playwright's sync API, used by earlier tests in the same process, leaves a loop running here.
+    async_to_sync(checked_connections)(monkeypatch)
 
 
 def test_start_up_objects_are_frozen_out_of_the_collector(monkeypatch: pytest.MonkeyPatch) -> None:
