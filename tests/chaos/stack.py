@@ -42,7 +42,6 @@ class ChaosStack(Stack):
     redis_port: int = field(default_factory=free_port)
     argv: dict[str, tuple[str, ...]] = field(default_factory=dict)
     redis: subprocess.Popen[bytes] | None = None
-    setup_commands: list[tuple[str, ...]] = field(default_factory=list)
     startup_timeout: float = 600  # daphne's imports take minutes on a loaded machine
     # Blob bytes in this S3 server's bucket instead of files under blob_root (projects/blob_store.py).
     s3: S3Server | None = None
@@ -103,18 +102,8 @@ class ChaosStack(Stack):
                 process.wait()
         self.stop_redis()
 
-    def manage(self, *args: str) -> None:
-        # Each manage.py process spends ~10 s importing Django and torch on a loaded 2-core machine, so
-        # Stack.start's three setup commands run in one process: held back until the last one comes.
-        self.setup_commands.append(args)
-        if args[:1] != ("seed_demo",):
-            return
-        started = time.monotonic()
-        calls = "; ".join(f"call_command(*{list(command)!r})" for command in self.setup_commands)
-        script = f"import django; django.setup(); from django.core.management import call_command; {calls}"
-        subprocess.run([PYTHON, "-c", script], cwd=ROOT, env=self.env(), check=True)
-        self.setup_commands.clear()
-        logger.info("migrate, ensure_admin and seed_demo took %.1fs", time.monotonic() - started)
+    def manage_all(self, *commands: tuple[str, ...]) -> None:
+        super().manage_all(*commands)
         # Before the worker starts: the feed queued by project_start then cuts small work units.
         self.sql(
             "UPDATE projects_project SET batch_size = %s, round_samples = %s, round_timeout = %s "

@@ -13,9 +13,8 @@ from typing import Any
 
 import psycopg
 import pytest
-import redis
 
-from devstack.stack import ROOT, Stack, recreate_database
+from devstack.stack import ROOT, Stack
 
 pytestmark = [pytest.mark.browser, pytest.mark.slow, pytest.mark.timeout(900)]
 # Overridable so that several engineers can run the suite side by side on one PostgreSQL / Redis.
@@ -47,11 +46,8 @@ class PreferencesStack(Stack):
     work, at a fraction of the whole stack's processes."""
 
     def start(self) -> None:
-        self.database_url = recreate_database(self.database)
-        redis.Redis.from_url(self.env()["REDIS_URL"]).flushdb()
-        self.manage("migrate", "--verbosity", "0")
-        self.manage("ensure_admin")
-        self.manage("shell", "--verbosity", "0", "--command", SETUP)
+        self.fresh_database()
+        self.manage_all(("ensure_admin",), ("shell", "--verbosity", "0", "--command", SETUP))
         self.spawn_processes()
 
     def spawn_processes(self) -> None:
