@@ -117,6 +117,7 @@ class Stack:
     webs: int = 1
     workers: int = 1
     web_ports: dict[str, int] = field(default_factory=dict)
+    setup_code: str = ""  # Python run by `manage.py shell` once the demo is seeded, before any process starts
     root: Path = ROOT  # the checkout whose code the processes run (benchmarks compare two trees)
     processes: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
 
@@ -179,7 +180,8 @@ class Stack:
 
     def start(self) -> None:
         self.fresh_database()
-        self.manage_all(("ensure_admin",), ("seed_demo", *self.seed_args))
+        code = (("shell", "-c", self.setup_code),) if self.setup_code else ()
+        self.manage_all(("ensure_admin",), ("seed_demo", *self.seed_args), *code)
         if self.round_timeout is not None:
             with psycopg.connect(self.database_url) as conn:
                 conn.execute("UPDATE projects_project SET round_timeout = %s", (self.round_timeout,))

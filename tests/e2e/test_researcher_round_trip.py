@@ -159,11 +159,11 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         port=8150,
         extra_env={"CROWDTRAIN_EVAL_EVERY": "1"},
         startup_timeout=240,
-    )
-    with stack as running:
         # Staff approve the researcher's request (the real path to an account); the demo is paused so that
         # every volunteer trains the researcher's project.
-        running.manage("shell", "-c", APPROVE_AND_PAUSE)
+        setup_code=APPROVE_AND_PAUSE,
+    )
+    with stack as running:
         yield running
 
 

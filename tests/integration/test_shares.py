@@ -213,6 +213,13 @@ LEFT JOIN workers_creditentry c ON c.project_id = p.id GROUP BY p.id ORDER BY p.
 """
 
 
+# Units each of the 4 volunteers computes: ~140 in all, 1 in 7 of them A's (a third of B's FLOPs, in units
+# twice the size), so ~20 of A's. The scheduler keeps the FLOPs sent within about one A unit of 1:3 after the
+# first round of concurrent requests (where A can get up to 3 units at once), so the credited ratio is off by
+# 2-3 A units at most (2.83-3.02 from 80 results on in a 245-result run here): well inside 15% at ~20.
+UNITS_EACH = 35
+
+
 async def crowd(configs: list[SimulatorConfig]) -> list[SimulatorStats]:
     return list(await asyncio.gather(*(Simulator(c).run() for c in configs)))
 
@@ -221,9 +228,14 @@ async def crowd(configs: list[SimulatorConfig]) -> list[SimulatorStats]:
 @pytest.mark.timeout(1500)
 def test_credited_flops_follow_resource_shares_one_to_three(tmp_path: Path) -> None:
     # Daphne may take minutes to import Django and torch on a loaded machine.
-    stack = Stack(var_dir=tmp_path, database=SHARE_DATABASE, redis_db=SHARE_REDIS_DB, startup_timeout=600)
+    stack = Stack(
+        var_dir=tmp_path,
+        database=SHARE_DATABASE,
+        redis_db=SHARE_REDIS_DB,
+        startup_timeout=600,
+        setup_code=SECOND_PROJECT,
+    )
     with stack:
-        stack.manage("shell", "-c", SECOND_PROJECT)
         configs = [
             SimulatorConfig(
                 url=stack.url,
@@ -231,7 +243,8 @@ def test_credited_flops_follow_resource_shares_one_to_three(tmp_path: Path) -> N
                 password="volunteer-pass-8642",
                 signup=True,
                 gflops=0.003,  # ~2 s per 16-sample work unit: 4 volunteers, ~2 results/s in all
-                duration_s=180,
+                max_work_units=UNITS_EACH,
+                duration_s=180,  # a bound on a loaded machine: the floors below say whether it sufficed
                 verdict_timeout_s=120,
                 seed=i,
             )
@@ -244,7 +257,7 @@ def test_credited_flops_follow_resource_shares_one_to_three(tmp_path: Path) -> N
                 time.sleep(1)
             (share_a, flops_a, units_a), (share_b, flops_b, units_b) = conn.execute(CREDITED).fetchall()
     assert (share_a, share_b) == (100, 300)
-    assert sum(s.valid for s in stats) >= 60 and units_a >= 10, (units_a, units_b, stats)
+    assert sum(s.valid for s in stats) >= 100 and units_a >= 12, (units_a, units_b, stats)
     ratio = flops_b / flops_a
     print(f"credited FLOPs A {flops_a:,} ({units_a} results), B {flops_b:,} ({units_b} results): {ratio:.2f}")
     assert 3 * 0.85 <= ratio <= 3 * 1.15, ratio
