@@ -35,6 +35,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 STAGES, MICRO = 3, 2
 BEFORE, AFTER = 1, 2
 PROGRESS_TIMEOUT = 150.0
+HEARTBEAT_SECONDS = 5
 # Slow enough that each of its stage-0 units takes about 3 s (killed within a second of getting one, it is
 # mid-unit), fast enough for the work-unit deadline (tests/chaos/stack.DEADLINE_SECONDS).
 VICTIM_GFLOPS = 0.003
@@ -50,6 +51,11 @@ class PipelineChaosStack(ChaosStack):
     database: str = field(
         default_factory=lambda: os.environ.get("CHAOS_STACK_DATABASE", "crowdtrain_chaos") + "_pipeline"
     )
+
+    def env(self) -> dict[str, str]:
+        # The victim's device dies with daphne, uncleanly, and holds stage 0 until the sweep finds it stale
+        # (4 heartbeats: 2 minutes at the default 30 s, the stage idle all along); the same sweep at 5 s.
+        return {**super().env(), "CROWDTRAIN_SOCKET_HEARTBEAT_SECONDS": str(HEARTBEAT_SECONDS)}
 
     def spawn_processes(self) -> None:
         # Before the worker starts: the feed project_start queued then cuts the first step's stage units.
