@@ -122,7 +122,8 @@ async def checked_connections(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_the_connection_check_visits_only_what_changed(monkeypatch: pytest.MonkeyPatch) -> None:
-    # Not asyncio.run: Playwright's sync API, used by earlier tests in the same process, leaves a loop running here.
+    # Not asyncio.run: Playwright's sync API, used by earlier tests in the same process, leaves a loop
+    # running here.
     async_to_sync(checked_connections)(monkeypatch)
 
 
