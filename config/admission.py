@@ -3,7 +3,7 @@
 A reconnect storm's hellos (the session lookup, the throttle, the group adds, three database calls each) all
 ran at once: daphne's one event loop competed for the GIL with their threads, pages waited 2-27 s (p99), and
 handshakes timed out and were retried (5,000 reconnects took 24,193 attempts, issue 15). Past
-SOCKET_ADMISSIONS being admitted, a connection is accepted and closed at once with 1013 (try again later),
+SOCKET_ADMISSIONS being admitted, a connection is accepted and closed at once with 4503 (try again later),
 before any session, Redis or database work: the browser comes back after its jittered back-off
 (frontend/static/frontend/backoff.js; the attempt counts as a failure, as its welcome never came), and the
 loop's queue stays short. A slot is held until the welcome or ADMIT_SECONDS, whichever comes first: a client
@@ -17,7 +17,11 @@ from typing import Any
 
 from django.conf import settings
 
-RETRY_LATER = 1013  # RFC 6455's "Try Again Later"
+from workers.protocol import CLOSE_RETRY_LATER
+
+# RFC 6455's 1013 ("try again later") is not one an application may send through daphne (autobahn allows
+# 1000 and 3000-4999 only): 4503, as HTTP's 503, in the protocol's own range (engine/spec.json).
+RETRY_LATER = CLOSE_RETRY_LATER
 ADMIT_SECONDS = 30.0
 
 
@@ -69,7 +73,7 @@ class AdmissionMiddleware:
 
 
 async def turn_away(receive: Any, send: Any) -> None:
-    """Accepted, then closed with 1013: a browser sees no close code (only 1006) for a refused handshake."""
+    """Accepted, then closed: a browser sees no close code (only 1006) for a refused handshake."""
     message = await receive()
     if message["type"] == "websocket.connect":
         await send({"type": "websocket.accept"})

@@ -1,8 +1,11 @@
 """config/admission.py through the real ASGI stack (session auth, Redis channel layer, PostgreSQL): past its
-bound, a connection is closed at once with 1013 and no work; a welcome or a departure frees a slot."""
+bound, a connection is closed at once with 4503 and no work; a welcome or a departure frees a slot."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -11,11 +14,15 @@ import pytest
 from asgiref.sync import async_to_sync
 from channels.testing import WebsocketCommunicator
 from django.contrib.auth.models import User
+from websockets.exceptions import ConnectionClosed
+from websockets.sync.client import connect as ws_connect
 
 from config import admission
 from config.admission import RETRY_LATER, AdmissionMiddleware
 from config.asgi import application
+from config.management.commands.runplatform import daphne_listen
 from tests.integration.test_consumers import HELLO, connect, send
+from tests.integration.test_web_server import ROOT, free_port, listen_backlog
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -31,7 +38,7 @@ def gate() -> Iterator[AdmissionMiddleware]:
 
 
 async def turned_away(communicator: WebsocketCommunicator) -> float:
-    """Seconds from the handshake to the 1013 close (the handshake is accepted: browsers see the code)."""
+    """Seconds from the handshake to the 4503 close (the handshake is accepted: browsers see the code)."""
     started = time.monotonic()
     connected, _ = await communicator.connect(timeout=5)
     assert connected
@@ -40,7 +47,7 @@ async def turned_away(communicator: WebsocketCommunicator) -> float:
     return time.monotonic() - started
 
 
-def test_over_the_bound_connections_get_1013_at_once_and_a_welcome_frees_a_slot(
+def test_over_the_bound_connections_get_4503_at_once_and_a_welcome_frees_a_slot(
     gate: AdmissionMiddleware, volunteer_user: User
 ) -> None:
     async def scenario() -> None:
@@ -79,3 +86,30 @@ def test_a_connection_that_never_says_hello_gives_its_slot_back(
             await communicator.disconnect(timeout=10)
 
     async_to_sync(scenario)()
+
+
+@pytest.mark.slow
+def test_daphne_sends_the_retry_later_close_code_to_a_browser() -> None:
+    """Through the real server: autobahn refuses RFC 6455's 1013 from an application (the first version
+    sent it, and the socket hung until the client's timeout); 4503 reaches the client at once."""
+    port = free_port()
+    args = [
+        sys.executable,
+        "-m",
+        "config.web_server",
+        *daphne_listen("127.0.0.1", port),
+        "config.asgi:application",
+    ]
+    env = {**os.environ, "DJANGO_SETTINGS_MODULE": "config.settings", "CROWDTRAIN_SOCKET_ADMISSIONS": "0"}
+    daphne = subprocess.Popen(args, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        listen_backlog(port)
+        started = time.monotonic()
+        url = f"ws://127.0.0.1:{port}/ws/volunteer/"
+        with ws_connect(url, open_timeout=30) as socket, pytest.raises(ConnectionClosed) as closed:
+            socket.recv(timeout=10)
+        assert closed.value.rcvd is not None and closed.value.rcvd.code == RETRY_LATER == 4503
+        assert time.monotonic() - started < 5
+    finally:
+        daphne.terminate()
+        daphne.wait(timeout=15)

@@ -334,7 +334,7 @@
     socket.onopen = () => {
       s.asking = false; // a new connection owes us nothing
       s.unacked.clear();
-      // Results wait for the welcome: a server busy admitting others closes with 1013 without reading them.
+      // Results wait for the welcome: a server busy admitting others closes with 4503 without reading them.
       s.welcomed = false;
       send({ type: "hello", protocol: PROTOCOL.version, device: s.device });
       askForWork();
