@@ -26,6 +26,7 @@ from channels.layers import get_channel_layer  # noqa: E402  (needs Django set u
 from channels.routing import ProtocolTypeRouter, URLRouter  # noqa: E402
 from channels.security.websocket import AllowedHostsOriginValidator  # noqa: E402
 
+from config.admission import AdmissionMiddleware  # noqa: E402
 from config.websocket_auth import PooledAuthMiddlewareStack  # noqa: E402
 from projects.blob_server import with_blobs  # noqa: E402
 from workers.presence import groups_purge_at_start  # noqa: E402
@@ -36,6 +37,8 @@ groups_purge_at_start(get_channel_layer())
 application = ProtocolTypeRouter(
     {
         "http": with_blobs(django_asgi_app),
-        "websocket": AllowedHostsOriginValidator(PooledAuthMiddlewareStack(URLRouter(websocket_urlpatterns))),
+        "websocket": AdmissionMiddleware(
+            AllowedHostsOriginValidator(PooledAuthMiddlewareStack(URLRouter(websocket_urlpatterns)))
+        ),
     }
 )

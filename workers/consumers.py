@@ -19,6 +19,7 @@ from channels.generic.websocket import AsyncWebsocketConsumer
 from django.conf import settings
 from redis.exceptions import RedisError
 
+from config.admission import admitted
 from config.db import database_sync_to_async
 from projects import notify
 from projects.lifecycle import (
@@ -177,9 +178,12 @@ class VolunteerConsumer(SignallingMixin, RingMixin, AsyncWebsocketConsumer):  # 
             backend=info.backend,
             gflops=info.gflops or 0.0,
             user_agent=info.user_agent,
+            connection=self.channel_name,  # a departure disconnects only the device's current connection
         )
         if previous is not None and previous.pk != self.device.pk:  # a second hello, as another device
-            await database_sync_to_async(device_disconnect)(device_id=previous.pk)
+            await database_sync_to_async(device_disconnect)(
+                device_id=previous.pk, connection=self.channel_name
+            )
         PRESENCE.device(self.channel_name, self.device.pk)
         volunteer = self.device.volunteer
         self.memory_mb = info.memory_mb
@@ -193,6 +197,7 @@ class VolunteerConsumer(SignallingMixin, RingMixin, AsyncWebsocketConsumer):  # 
                 preferences=self.preferences,
             )
         )
+        admitted(self.scope)  # the next connection may be admitted (config/admission.py)
 
     async def _preferences(self) -> Preferences:
         assert self.device is not None

@@ -156,6 +156,9 @@ class Device(RecentCredit, models.Model):
     compute_ms = models.PositiveBigIntegerField(default=0, help_text="Time spent computing accepted work.")
     connected_at = models.DateTimeField(default=timezone.now, help_text="Start of the latest connection.")
     disconnected_at = models.DateTimeField(null=True, blank=True)
+    # The channel name of its current connection (the latest hello's): the departure of an older one noticed
+    # after that hello must not disconnect it (7,158 of 9,980 live devices were shown disconnected, issue 15).
+    connection = models.CharField(max_length=100, blank=True, default="")
     online_ms = models.PositiveBigIntegerField(default=0, help_text="Connected time of earlier connections.")
     user_agent = models.CharField(max_length=300, blank=True)
     # Stamped at every save and, while connected, every heartbeat by its web process (workers/presence.py).
@@ -184,11 +187,13 @@ class Device(RecentCredit, models.Model):
             return self.online_ms
         return self.online_ms + max(0, int((now - self.connected_at).total_seconds() * 1000))
 
-    def reconnect(self, *, backend: str, gflops: float, user_agent: str, now: datetime) -> None:
+    def reconnect(
+        self, *, backend: str, gflops: float, user_agent: str, now: datetime, connection: str = ""
+    ) -> None:
         """A new connection: bank the time so far (a second tab's connection may still be open) and take
         the browser's fresh description."""
         self.online_ms = self.connected_ms(now=now)
-        self.connected_at, self.disconnected_at = now, None
+        self.connected_at, self.disconnected_at, self.connection = now, None, connection
         self.backend, self.gflops, self.user_agent = backend, gflops, user_agent[:300]
 
     def disconnect(self, *, now: datetime) -> None:

@@ -114,9 +114,9 @@ class Presence:
 
     async def _depart(self, gone: list[Departure]) -> None:
         still = {c.device_id for c in self.live.values()}  # the same browser in another tab stays connected
-        left = [(d.device_id, d.at) for d in gone if d.device_id is not None and d.device_id not in still]
+        left = [d for d in gone if d.device_id is not None and d.device_id not in still]
         for start in range(0, len(left), TOUCH_CHUNK):
-            await database_sync_to_async(devices_depart)(left=dict(left[start : start + TOUCH_CHUNK]))
+            await database_sync_to_async(_devices_depart)(departures=left[start : start + TOUCH_CHUNK])
 
     async def refresh(self, layer: Any) -> None:
         """Slice after slice of the live connections: with 50,000 of them, gathering every group's members
@@ -128,10 +128,10 @@ class Presence:
                 for group in connection.groups:
                     members[group].append(channel)
             await groups_stamp(layer, members, now=now)
-        devices = [c.device_id for c in self.live.values() if c.device_id is not None]
-        for start in range(0, len(devices), TOUCH_CHUNK):  # PostgreSQL takes at most 65,535 parameters
-            chunk = devices[start : start + TOUCH_CHUNK]
-            await database_sync_to_async(devices_touch)(device_ids=chunk, now=timezone.now())
+        greeted = [channel for channel, c in self.live.items() if c.device_id is not None]
+        for start in range(0, len(greeted), TOUCH_CHUNK):  # PostgreSQL takes at most 65,535 parameters
+            chunk = greeted[start : start + TOUCH_CHUNK]
+            await database_sync_to_async(devices_touch)(connections=chunk, now=timezone.now())
 
     def exit(self) -> None:
         """At interpreter exit (daphne stopped): this process's members leave their groups."""
@@ -146,6 +146,17 @@ class Presence:
                     pipe.zrem(self.layer._group_key(group), channel)
                 pipe.execute()
         self.live, self.departed = {}, []
+
+
+def _devices_depart(*, departures: list[Departure]) -> int:
+    """Each device left by the connection that is still its current one (compared under its row lock)."""
+    left: dict[int, datetime] = {}
+    connections: dict[int, set[str]] = defaultdict(set)
+    for d in departures:
+        assert d.device_id is not None
+        left[d.device_id] = max(d.at, left.get(d.device_id, d.at))
+        connections[d.device_id].add(d.channel)
+    return devices_depart(left=left, connections=connections)
 
 
 async def _logged(what: str, step: Awaitable[None]) -> None:

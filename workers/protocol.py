@@ -25,6 +25,7 @@ PROTOCOL_VERSION = spec.PROTOCOL_VERSION
 MAX_TEXT_FRAME: int = spec.PROTOCOL["max_text_frame"]
 CLOSE_UNAUTHENTICATED: int = spec.PROTOCOL["close_codes"]["unauthenticated"]
 CLOSE_THROTTLED: int = spec.PROTOCOL["close_codes"]["throttled"]
+CLOSE_RETRY_LATER: int = spec.PROTOCOL["close_codes"]["retry_later"]  # busy admitting others
 MAX_COUNT = 2**31 - 1  # work unit ids, versions and samples fit PostgreSQL's integer columns
 MAX_MILLIS = 7 * 24 * 3600 * 1000  # no work unit takes a week
 MAX_GFLOPS = 1e9

@@ -111,7 +111,7 @@ MAX_DEVICES_PER_VOLUNTEER = 32
 
 
 def device_register(
-    *, user: User, client_id: str | None, backend: str, gflops: float, user_agent: str
+    *, user: User, client_id: str | None, backend: str, gflops: float, user_agent: str, connection: str = ""
 ) -> Device:
     """The device a volunteer connects with, one row per browser across its connections. Its numbers are
     hints for scheduling, never for credit."""
@@ -122,7 +122,9 @@ def device_register(
         device, _ = Device.objects.select_for_update(no_key=True).get_or_create(
             volunteer=volunteer, client_id=key, defaults={"connected_at": now, "disconnected_at": now}
         )
-        device.reconnect(backend=backend, gflops=gflops, user_agent=user_agent, now=now)
+        device.reconnect(
+            backend=backend, gflops=gflops, user_agent=user_agent, now=now, connection=connection
+        )
         device.save()
     device.volunteer = volunteer  # the consumer reads it from async code: no lazy query there
     return device
@@ -139,11 +141,14 @@ def _device_key(*, volunteer: Volunteer, client_id: str | None, backend: str) ->
     return f"unknown:{backend if backend in KNOWN_BACKENDS else 'other'}"
 
 
-def device_disconnect(*, device_id: int) -> None:
-    """The device's connection ended: disconnected, and it serves no pipeline stage any more."""
+def device_disconnect(*, device_id: int, connection: str | None = None) -> None:
+    """The device's connection ended: disconnected, and it serves no pipeline stage any more. Given the
+    connection that ended, only if that one is still the device's current one (not a newer tab's)."""
     with transaction.atomic():
         device = Device.objects.select_for_update(no_key=True).filter(pk=device_id).first()
-        if device is not None and device.disconnected_at is None:
+        if device is None or connection not in (None, device.connection):
+            return
+        if device.disconnected_at is None:
             device.disconnect(now=timezone.now())
             device.save(update_fields=["online_ms", "disconnected_at"])
             stage_members_leave(device_ids=[device_id])

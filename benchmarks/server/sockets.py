@@ -10,6 +10,10 @@ workers and beat, PostgreSQL, Redis), measured from WebSocket clients in process
 3. close: all N vanish at once (TCP connections aborted, no close handshake, as browsers that are killed),
    then the devices still "connected" and the channel-layer group members left, right after and after the
    beat sweep (heartbeat shortened to --heartbeat seconds so that the sweep comes within the run).
+After the storms it compares the live sockets with the devices shown connected, and counts the attempts the
+server closed at once with 4503 (config/admission.py). With `--baseline FILE` (a run of other code, e.g. main
+in a temporary `git worktree` with this file copied in: `cd /tmp/main && <this venv>/bin/python -m
+benchmarks.server.sockets --label main --output /tmp/main.json`) the key figures go side by side.
 A probe GETs the home page every 100 ms throughout: p50/p99 per phase. Redis clients on the stack's database
 and daphne's file descriptors and memory are sampled at each step. Prints a table and writes
 benchmarks/results/server-sockets.json. The database is dropped and created anew (Stack).
@@ -47,11 +51,13 @@ from pathlib import Path
 from typing import Any
 
 from websockets.asyncio.client import ClientConnection, connect
+from websockets.exceptions import ConnectionClosed
 
 from devstack.stack import REDIS_SERVER, ROOT, Stack
 
 RESULTS = Path(__file__).resolve().parent.parent / "results"
 BACKOFF_JS = ROOT / "frontend/static/frontend/backoff.js"
+RETRY_LATER = 4503  # config/admission.py's close code (not imported: the baseline run's tree may lack it)
 # Measured on the landed main before this change (issue 15), for the table's side-by-side column.
 BEFORE = {
     "storm_2000_failed_share": 0.72,
@@ -108,6 +114,7 @@ class Client:
     origin: str
     source: str
     volunteers: list[Volunteer]
+    turned_away: int = 0  # attempts the server closed at once with 4503 (config/admission.py)
 
     async def open_socket(self, volunteer: Volunteer) -> bool:
         """Connect, hello, welcome: True when all three happened. A failed attempt's socket is closed (the
@@ -117,6 +124,9 @@ class Client:
             socket = await self._connect(volunteer)
             await socket.send(json.dumps(hello(volunteer)))
             reply = json.loads(await asyncio.wait_for(socket.recv(), 30))
+        except ConnectionClosed as closed:
+            self.turned_away += closed.rcvd is not None and closed.rcvd.code == RETRY_LATER
+            reply = {}
         except Exception:  # noqa: BLE001 - any failure counts
             reply = {}
         if reply.get("type") != "welcome":
@@ -141,8 +151,15 @@ class Client:
         gate = asyncio.Semaphore(concurrency)
 
         async def one(volunteer: Volunteer) -> bool:
-            async with gate:
-                return await self.open_socket(volunteer)
+            async with gate:  # a browser told to come back later (4503) does, after its back-off
+                for attempt in range(8):
+                    turned_away = self.turned_away
+                    if await self.open_socket(volunteer):
+                        return True
+                    if self.turned_away == turned_away:
+                        return False
+                    await asyncio.sleep(reconnect_delay(attempt))
+                return False
 
         done = await asyncio.gather(*(one(v) for v in self.volunteers))
         return {"connected": sum(done), "failed": len(done) - sum(done)}
@@ -177,6 +194,11 @@ class Client:
             "first_try": sum(f == 0 for _, f in outcomes),
             "seconds_until_all_back": round(time.monotonic() - started, 2),
         }
+
+    async def counts(self) -> dict[str, int]:
+        """Sockets open now (welcomed, not closed by the server) and 4503 turn-aways so far."""
+        live = sum(v.socket is not None and v.socket.close_code is None for v in self.volunteers)
+        return {"live": live, "turned_away": self.turned_away}
 
     async def close(self) -> int:
         live = [v for v in self.volunteers if v.socket is not None]
@@ -235,7 +257,28 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--database", default="crowdtrain_sockets_bench", help="scratch database (dropped first)")
     p.add_argument("--redis-db", type=int, default=14, help="Redis database (flushed first)")
     p.add_argument("--output", type=Path, default=RESULTS / "server-sockets.json")
+    p.add_argument("--label", default="this checkout", help="what code this run measures")
+    p.add_argument(
+        "--baseline",
+        type=Path,
+        help="a run of other code (e.g. main's) from this session, shown side by side",
+    )
     return p
+
+
+def summary(result: dict[str, Any]) -> dict[str, Any]:
+    """The figures compared side by side: connects, attempts, pages, devices shown connected vs live."""
+    keys = ("back", "attempts", "success_rate", "seconds_until_all_back")
+    return {
+        "label": result["config"]["label"],
+        "ramp": result["ramp"],
+        "storm_at_once": {k: result["storm_at_once"][k] for k in keys},
+        "storm_backoff": {k: result["storm_backoff"][k] for k in keys},
+        "after_storms": result.get("after_storms"),
+        "pages_p50_p99_ms": {
+            phase: [p.get("p50_ms"), p.get("p99_ms")] for phase, p in result["pages"].items() if "p99_ms" in p
+        },
+    }
 
 
 def open_files_raised(volunteers: int) -> dict[str, int]:
@@ -334,6 +377,16 @@ async def storm(bench: Bench, k: int, *, jitter: bool) -> dict[str, Any]:
     }
 
 
+async def counted(bench: Bench) -> dict[str, int]:
+    """Live sockets (the clients') against devices shown connected (the database) after the storms."""
+    parts = await bench.command("counts")
+    return {
+        "live_sockets": sum(p["live"] for p in parts),
+        "devices_connected": bench.samples["after the storms"]["devices_connected"],
+        "turned_away_4503": sum(p["turned_away"] for p in parts),
+    }
+
+
 async def probe(bench: Bench) -> None:
     url = bench.stack.url + "/"
     while True:
@@ -415,7 +468,10 @@ async def scenario(bench: Bench, args: argparse.Namespace) -> dict[str, Any]:
     result["storm_at_once"] = await storm(bench, args.storm, jitter=False)
     bench.phase = "storm with back-off"
     result["storm_backoff"] = await storm(bench, args.storm, jitter=True)
+    bench.phase = "after the storms"
+    await asyncio.sleep(args.heartbeat * 2)  # departures flushed, a heartbeat or two
     await asyncio.to_thread(sample, bench, "after the storms")
+    result["after_storms"] = await counted(bench)
     bench.phase = "close"
     result["closed"] = sum(await bench.command("close"))
     await asyncio.sleep(3)
@@ -477,6 +533,8 @@ def table(result: dict[str, Any]) -> str:
             f"  {phase:<22}{p['n']:>6}{p.get('p50_ms', '-'):>9}{p.get('p99_ms', '-'):>9}"
             f"{p.get('max_ms', '-'):>9}"
         )
+    for side in result.get("side_by_side", []):
+        lines.append(f"  {side['label']}: {json.dumps({k: v for k, v in side.items() if k != 'label'})}")
     lines.append(f"  before (issue 15): {json.dumps(BEFORE)}")
     lines.append(f"  previous run: {json.dumps(PREVIOUS)}")
     return "\n".join(lines)
@@ -507,6 +565,8 @@ def main() -> None:
     result["config"] = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
     result["config"].update(open_files=open_files, client_processes=result.pop("client_processes"))
     result["before"] = {**BEFORE, "previous_run": PREVIOUS}
+    if args.baseline:
+        result["side_by_side"] = [summary(json.loads(args.baseline.read_text())), summary(result)]
     print(table(result))
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text(json.dumps(result, indent=1) + "\n")

@@ -220,3 +220,63 @@ def test_contribute_page_runs_the_protocol(browser: Any, static_server: Any, fak
     assert types.count("ready") == 4 and types[-1] == "bye"  # 1, prefetch, after cancel, after result 1
     assert not errors, errors
     print(f"contribute flow: {elapsed:.1f} s from click to both verdicts")
+
+
+class AdmittingServer:
+    """A restart, then a server busy admitting others: connection 1 assigns unit 1 and drops (1012);
+    connection 2's handshake completes only once the page has computed unit 1 (its result waits to be
+    sent), and it is closed at once with 4503 without reading anything, as config/admission.py does;
+    connection 3 welcomes the page and should receive the result."""
+
+    def __init__(self, assign: dict[str, Any]) -> None:
+        self.assign, self.connections = assign, 0
+        self.computed = threading.Event()  # set by the test when the page logs unit 1's result
+        self.results_on: list[int] = []  # the connection each result arrived on
+        self.server = ws_server.serve(self.handle, "127.0.0.1", 0, process_request=self.admit)
+        self.url = f"ws://127.0.0.1:{self.server.socket.getsockname()[1]}/ws/volunteer/"
+
+    def admit(self, connection: Any, request: Any) -> None:
+        if self.connections == 1:
+            self.computed.wait(120)
+
+    def handle(self, ws: Any) -> None:
+        self.connections += 1
+        number = self.connections
+        if number == 2:
+            ws.close(4503, "try again later")
+            return
+        for frame in ws:
+            msg = json.loads(frame) if isinstance(frame, str) else {"type": "<binary>"}
+            if msg["type"] == "hello":
+                ws.send(json.dumps({"type": "welcome", "protocol": 1, "volunteer": {"username": "alice"}}))
+            elif msg["type"] == "ready" and number == 1:
+                ws.send(json.dumps({"type": "assign", "work_unit": {**self.assign, "id": 1}}))
+                ws.close(1012, "restart")
+                return
+            elif msg["type"] == "ready":
+                ws.send(json.dumps({"type": "idle"}))
+            elif msg["type"] == "result":
+                self.results_on.append(number)
+
+
+def test_a_result_computed_while_away_survives_a_retry_later_close(
+    browser: Any, static_server: Any, fake_server: FakeServer
+) -> None:
+    """Sent only after the welcome: on connection 2 (closed with 4503 unread) it would have been lost."""
+    server = AdmittingServer(fake_server.assign)
+    threading.Thread(target=server.server.serve_forever, daemon=True).start()
+    static_server.put_blob("contribute.html", page_from_template(server.url).encode())
+    context = browser.new_context()
+    page = context.new_page()
+    try:
+        page.goto(f"{static_server.url}/blobs/contribute.html")
+        page.click("#contribute")
+        computed = "() => /work unit 1: 40 samples/.test(document.getElementById('log').textContent)"
+        page.wait_for_function(computed, timeout=120_000)
+        server.computed.set()
+        wait_for(lambda: server.results_on == [3], timeout=60)
+        assert server.connections == 3
+    finally:
+        server.computed.set()
+        context.close()
+        server.server.shutdown()

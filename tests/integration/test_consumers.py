@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
+import threading
 from typing import Any
 
 import pytest
@@ -18,6 +20,9 @@ from projects.lifecycle import results_release
 from projects.models import Project, WorkUnit
 from projects.tasks import feed_work_units
 from tests.integration.volunteer import honest_update
+from workers import consumers
+from workers.models import Device
+from workers.services import device_register
 
 pytestmark = pytest.mark.django_db(transaction=True)
 HELLO: dict[str, Any] = {"type": "hello", "protocol": 1, "device": {"backend": "webgl", "gflops": 12.5}}
@@ -135,6 +140,45 @@ def test_disconnect_releases_work_and_waiting_volunteers_get_work_pushed(
         pushed = json.loads(await second.receive_from(timeout=10))
         assert pushed["type"] == "assign"
         await second.disconnect()
+
+    async_to_sync(scenario)()
+
+
+def test_a_departure_noticed_after_the_same_devices_next_hello_leaves_it_connected(
+    mlp_project: Project, volunteer_user: User, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Reconnect storms (issue 15): connection A's departure was noticed after connection B of the same
+    browser had said hello (B's row written, B not yet known to the process), and it marked the live device
+    disconnected. Here A's disconnect runs exactly then: between B's device_register and B's welcome."""
+    hello = {**HELLO, "device": {**HELLO["device"], "id": "browser-storm-1"}}
+    registered, proceed, calls = threading.Event(), threading.Event(), []
+
+    def register_then_wait(**kwargs: Any) -> Device:
+        device = device_register(**kwargs)
+        calls.append(kwargs["connection"])
+        if len(calls) == 2:  # B's hello: its row is written; hold B there until A's disconnect is done
+            registered.set()
+            proceed.wait(10)
+        return device
+
+    monkeypatch.setattr(consumers, "device_register", register_then_wait)
+
+    async def scenario() -> None:
+        first = await connect(volunteer_user)
+        await first.connect()
+        assert (await send(first, hello))["type"] == "welcome"
+        second = await connect(volunteer_user)
+        await second.connect()
+        await second.send_to(text_data=json.dumps(hello))
+        assert await asyncio.to_thread(registered.wait, 10)
+        await first.disconnect(timeout=10)  # A's departure, flushed while B's hello is half done
+        proceed.set()
+        assert json.loads(await second.receive_from(timeout=10))["type"] == "welcome"
+        device = await database_sync_to_async(Device.objects.get)(client_id="browser-storm-1")
+        assert device.disconnected_at is None and device.connection == calls[1] != calls[0]
+        await second.disconnect(timeout=10)
+        device = await database_sync_to_async(Device.objects.get)(pk=device.pk)
+        assert device.disconnected_at is not None  # B was the current one: its departure counts
 
     async_to_sync(scenario)()
 

@@ -42,8 +42,10 @@ def grant(project: Project, user: User, flops: int, *, device: Device | None = N
     return credit_grant(user=user, result=accepted_result(project, user, device=device), flops=flops)
 
 
-def device_of(user: User, name: str = "browser-1") -> Device:
-    return device_register(user=user, client_id=name, backend="webgl", gflops=12.5, user_agent="Test/1.0")
+def device_of(user: User, name: str = "browser-1", connection: str = "") -> Device:
+    return device_register(
+        user=user, client_id=name, backend="webgl", gflops=12.5, user_agent="Test/1.0", connection=connection
+    )
 
 
 def user(name: str, **volunteer: Any) -> User:

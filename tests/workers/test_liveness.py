@@ -4,6 +4,7 @@ disconnects devices whose process died and gives their work units back."""
 from __future__ import annotations
 
 from datetime import timedelta
+from typing import Any
 
 import pytest
 from django.contrib.auth.models import User
@@ -84,11 +85,62 @@ def test_a_departure_does_not_disconnect_a_device_that_connected_again(volunteer
     assert Device.objects.get(pk=device.pk).disconnected_at is not None
 
 
-def test_the_heartbeat_stamps_connected_devices_only(volunteer_user: User, other_volunteer: User) -> None:
-    connected, gone = device_of(volunteer_user), device_of(other_volunteer)
-    devices_depart(left={gone.pk: timezone.now()})
+def test_a_departure_of_an_older_connection_leaves_the_device_connected(volunteer_user: User) -> None:
+    """Compared under the row lock: only the device's current connection's departure disconnects it."""
+    device = _connected(volunteer_user, connection="tab-new")
+    later = timezone.now() + timedelta(seconds=1)  # noticed after the new hello: the time cannot tell
+    assert devices_depart(left={device.pk: later}, connections={device.pk: {"tab-old"}}) == 0
+    assert Device.objects.get(pk=device.pk).disconnected_at is None
+    assert devices_depart(left={device.pk: later}, connections={device.pk: {"tab-old", "tab-new"}}) == 1
+    assert Device.objects.get(pk=device.pk).disconnected_at == later
+
+
+def test_the_sweep_spares_a_device_that_said_hello_again_and_the_work_it_got(
+    mlp_project: Project, volunteer_user: User, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The sweep reads a stale device; its browser reconnects before the sweep locks the row and gets work:
+    the device stays connected and that work stays with it."""
+    device = _connected(volunteer_user, connection="old")
+    _age(device, STALE + 5)
+    lifecycle.work_units_feed(project_id=mlp_project.pk)
+    offered: list[int] = []
+    original = liveness._devices_gone
+
+    def reconnect_first(**kwargs: Any) -> dict[int, Any]:
+        again = _connected(volunteer_user, connection="new")
+        offer = lifecycle.work_unit_offer(user=volunteer_user, device=again).result
+        assert offer is not None
+        offered.append(offer.work_unit_id)
+        return original(**kwargs)
+
+    monkeypatch.setattr(liveness, "_devices_gone", reconnect_first)
+    devices_sweep(stale_seconds=STALE)
+    assert Device.objects.get(pk=device.pk).disconnected_at is None
+    assert Result.objects.get(work_unit_id=offered[0], device=device).status == Result.Status.IN_PROGRESS
+
+
+def test_the_heartbeat_stamps_the_devices_of_live_connections_only(
+    volunteer_user: User, other_volunteer: User
+) -> None:
+    connected = _connected(volunteer_user, connection="live")
+    moved = _connected(other_volunteer, connection="elsewhere")  # its current connection is another's
     _age(connected, 500)
+    _age(moved, 500)
     later = timezone.now() + timedelta(seconds=1)
-    assert devices_touch(device_ids=[connected.pk, gone.pk], now=later) == 1
+    assert devices_touch(connections=["live", "stale-tab"], now=later) == 1
     assert Device.objects.get(pk=connected.pk).last_seen == later
-    assert Device.objects.get(pk=gone.pk).last_seen < later
+    assert Device.objects.get(pk=moved.pk).last_seen < later
+
+
+def test_the_heartbeat_reconnects_a_live_connections_device_marked_disconnected(volunteer_user: User) -> None:
+    """A late departure or the sweep behind a lagging heartbeat took it: it is connected, as of now."""
+    device = _connected(volunteer_user, connection="live")
+    devices_depart(left={device.pk: timezone.now()})
+    later = timezone.now() + timedelta(seconds=1)
+    assert devices_touch(connections=["live"], now=later) == 1
+    device.refresh_from_db()
+    assert (device.disconnected_at, device.connected_at, device.last_seen) == (None, later, later)
+
+
+def _connected(user: User, *, connection: str) -> Device:
+    return device_of(user, connection=connection)

@@ -57,7 +57,7 @@ def test_a_killed_consumer_leaves_its_groups_and_device(
     store: redis.Redis, layer: Any, volunteer_user: User, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(presence, "FLUSH_SECONDS", 0.05)
-    device = device_of(volunteer_user)
+    device = device_of(volunteer_user, connection="specific.a!1")
     mine = Presence()
 
     async def scenario() -> None:
@@ -93,7 +93,7 @@ def test_a_device_another_live_connection_holds_stays_connected(
 def test_the_heartbeat_re_adds_live_members_and_stamps_their_devices(
     store: redis.Redis, layer: Any, volunteer_user: User
 ) -> None:
-    device = device_of(volunteer_user)
+    device = device_of(volunteer_user, connection="specific.a!1")
     Device.objects.filter(pk=device.pk).update(last_seen=device.last_seen.replace(year=2000))
     mine = Presence()
 

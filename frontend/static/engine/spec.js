@@ -617,7 +617,8 @@
     ],
     "close_codes": {
       "unauthenticated": 4401,
-      "throttled": 4429
+      "throttled": 4429,
+      "retry_later": 4503
     },
     "signal": {
       "kinds": [

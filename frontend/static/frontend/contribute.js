@@ -50,6 +50,7 @@
   function freshState() {
     return {
       running: false, worker: null, socket: null, device: null, retries: 0, reconnectTimer: null,
+      welcomed: false, // results go out only on a connection the server has welcomed (flushOutbox)
       inFlight: new Map(), // id -> work unit given to the worker, result not yet sent (oldest first)
       started: new Set(), // ids the worker has started computing
       computing: null, // the id being computed
@@ -333,8 +334,9 @@
     socket.onopen = () => {
       s.asking = false; // a new connection owes us nothing
       s.unacked.clear();
+      // Results wait for the welcome: a server busy admitting others closes with 4503 without reading them.
+      s.welcomed = false;
       send({ type: "hello", protocol: PROTOCOL.version, device: s.device });
-      flushOutbox();
       askForWork();
       setStatus(t("status_connected"), "waiting");
     };
@@ -358,7 +360,7 @@
 
   // The JSON frame and its binary frame must be adjacent, so both go out together or not at all.
   function flushOutbox() {
-    while (s.outbox.length && s.socket && s.socket.readyState === WebSocket.OPEN) {
+    while (s.outbox.length && s.welcomed && s.socket && s.socket.readyState === WebSocket.OPEN) {
       const item = s.outbox.shift();
       const { work_unit, model_version, samples, loss, timings } = item;
       const sent = item.sent ? { sent: { digest: item.sent.digest } } : {};
@@ -383,6 +385,9 @@
   const handlers = {
     welcome(msg) {
       s.retries = 0; // not at open: a server that accepts and then drops sockets still gets backed off from
+      s.welcomed = true;
+      flushOutbox();
+      askForWork(); // at open it waited if results were queued (askForWork sends those first)
       if (msg.volunteer) setFlops("credit", msg.volunteer.credit_flops || 0);
       log(t("log_connected", { username: msg.volunteer ? msg.volunteer.username : "" }));
       if (msg.preferences) applyPreferences(msg.preferences);

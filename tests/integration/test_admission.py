@@ -1,0 +1,115 @@
+"""config/admission.py through the real ASGI stack (session auth, Redis channel layer, PostgreSQL): past its
+bound, a connection is closed at once with 4503 and no work; a welcome or a departure frees a slot."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from asgiref.sync import async_to_sync
+from channels.testing import WebsocketCommunicator
+from django.contrib.auth.models import User
+from websockets.exceptions import ConnectionClosed
+from websockets.sync.client import connect as ws_connect
+
+from config import admission
+from config.admission import RETRY_LATER, AdmissionMiddleware
+from config.asgi import application
+from config.management.commands.runplatform import daphne_listen
+from tests.integration.test_consumers import HELLO, connect, send
+from tests.integration.test_web_server import ROOT, free_port, listen_backlog
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+@pytest.fixture
+def gate() -> Iterator[AdmissionMiddleware]:
+    middleware = application.application_mapping["websocket"]
+    assert isinstance(middleware, AdmissionMiddleware)
+    limit = middleware.admission.limit
+    middleware.admission.limit = 2
+    yield middleware
+    middleware.admission.limit = limit
+
+
+async def turned_away(communicator: WebsocketCommunicator) -> float:
+    """Seconds from the handshake to the 4503 close (the handshake is accepted: browsers see the code)."""
+    started = time.monotonic()
+    connected, _ = await communicator.connect(timeout=5)
+    assert connected
+    closing: dict[str, Any] = await communicator.receive_output(timeout=5)
+    assert closing == {"type": "websocket.close", "code": RETRY_LATER}
+    return time.monotonic() - started
+
+
+def test_over_the_bound_connections_get_4503_at_once_and_a_welcome_frees_a_slot(
+    gate: AdmissionMiddleware, volunteer_user: User
+) -> None:
+    async def scenario() -> None:
+        first, second = await connect(volunteer_user), await connect(volunteer_user)
+        assert (await first.connect())[0] and (await second.connect())[0]
+        assert gate.admission.admitting == 2
+        assert await turned_away(await connect(volunteer_user)) < 1.0
+        assert gate.admission.admitting == 2  # the bound held: the third took no slot
+        assert (await send(first, HELLO))["type"] == "welcome"
+        assert gate.admission.admitting == 1  # welcomed: admitted, its slot is free again
+        third = await connect(volunteer_user)
+        assert (await third.connect())[0]
+        assert (await send(third, HELLO))["type"] == "welcome"
+        for communicator in (first, second, third):
+            await communicator.disconnect(timeout=10)
+        assert gate.admission.admitting == 0
+
+    async_to_sync(scenario)()
+
+
+def test_a_connection_that_never_says_hello_gives_its_slot_back(
+    gate: AdmissionMiddleware, volunteer_user: User, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(admission, "ADMIT_SECONDS", 0.2)
+
+    async def scenario() -> None:
+        silent = [await connect(volunteer_user) for _ in range(2)]
+        for communicator in silent:
+            assert (await communicator.connect())[0]
+        assert await turned_away(await connect(volunteer_user)) < 1.0
+        await communicator.receive_nothing(timeout=0.5)  # past ADMIT_SECONDS, still connected
+        assert gate.admission.admitting == 0
+        late = await connect(volunteer_user)
+        assert (await late.connect())[0] and (await send(late, HELLO))["type"] == "welcome"
+        for communicator in (*silent, late):
+            await communicator.disconnect(timeout=10)
+
+    async_to_sync(scenario)()
+
+
+@pytest.mark.slow
+def test_daphne_sends_the_retry_later_close_code_to_a_browser() -> None:
+    """Through the real server: autobahn refuses RFC 6455's 1013 from an application (the first version
+    sent it, and the socket hung until the client's timeout); 4503 reaches the client at once."""
+    port = free_port()
+    args = [
+        sys.executable,
+        "-m",
+        "config.web_server",
+        *daphne_listen("127.0.0.1", port),
+        "config.asgi:application",
+    ]
+    env = {**os.environ, "DJANGO_SETTINGS_MODULE": "config.settings", "CROWDTRAIN_SOCKET_ADMISSIONS": "0"}
+    daphne = subprocess.Popen(args, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        listen_backlog(port)
+        started = time.monotonic()
+        url = f"ws://127.0.0.1:{port}/ws/volunteer/"
+        with ws_connect(url, open_timeout=30) as socket, pytest.raises(ConnectionClosed) as closed:
+            socket.recv(timeout=10)
+        assert closed.value.rcvd is not None and closed.value.rcvd.code == RETRY_LATER == 4503
+        assert time.monotonic() - started < 5
+    finally:
+        daphne.terminate()
+        daphne.wait(timeout=15)
