@@ -67,20 +67,20 @@ BEFORE = {
 }
 
 
-def backoff_constants() -> tuple[int, int]:
+def backoff_constants() -> tuple[int, int, int]:
     text = BACKOFF_JS.read_text()
-    base = re.search(r"BASE_MS = (\d+)", text)
-    cap = re.search(r"CAP_MS = (\d+)", text)
-    assert base and cap, "backoff.js changed shape: update benchmarks/server/sockets.py"
-    return int(base.group(1)), int(cap.group(1))
+    found = [re.search(rf"{name} = (\d+)", text) for name in ("BASE_MS", "CAP_MS", "RETRY_LATER_MS")]
+    assert all(found[:2]), "backoff.js changed shape: update benchmarks/server/sockets.py"
+    return tuple(int(match.group(1)) if match else 0 for match in found)  # type: ignore[return-value]
 
 
-BASE_MS, CAP_MS = backoff_constants()
+BASE_MS, CAP_MS, RETRY_LATER_MS = backoff_constants()
 
 
-def reconnect_delay(attempt: int) -> float:
-    """backoff.js's reconnectDelay, in seconds."""
-    return random.random() * min(CAP_MS, BASE_MS * 2 ** min(max(attempt, 0), 30)) / 1000
+def reconnect_delay(attempt: int, *, retry_later: bool = False) -> float:
+    """backoff.js's reconnectDelay (retryLaterDelay after a 4503), in seconds."""
+    floor = RETRY_LATER_MS if retry_later else 0
+    return (floor + random.random() * min(CAP_MS, BASE_MS * 2 ** min(max(attempt, 0), 30))) / 1000
 
 
 # The last run before this one (3,000 volunteers, one client process, one source address; 2,000 storm).
@@ -158,7 +158,7 @@ class Client:
                         return True
                     if self.turned_away == turned_away:
                         return False
-                    await asyncio.sleep(reconnect_delay(attempt))
+                    await asyncio.sleep(reconnect_delay(attempt, retry_later=True))
                 return False
 
         done = await asyncio.gather(*(one(v) for v in self.volunteers))
@@ -167,13 +167,16 @@ class Client:
     async def reconnect(self, volunteer: Volunteer, *, jitter: bool, deadline: float) -> tuple[int, int]:
         """(attempts, failures) until this volunteer is back, with the page's back-off between attempts."""
         attempts = failures = 0
+        retry_later = False  # the last attempt was closed with 4503: the page waits its floor
         while time.monotonic() < deadline:
             if jitter or attempts:
-                await asyncio.sleep(reconnect_delay(failures))
+                await asyncio.sleep(reconnect_delay(failures, retry_later=retry_later))
             attempts += 1
+            turned_away = self.turned_away
             if await self.open_socket(volunteer):
                 return attempts, failures
             failures += 1
+            retry_later = self.turned_away > turned_away
         return attempts, failures
 
     async def storm(self, k: int, jitter: bool) -> dict[str, Any]:

@@ -232,6 +232,7 @@ class AdmittingServer:
         self.assign, self.connections = assign, 0
         self.computed = threading.Event()  # set by the test when the page logs unit 1's result
         self.results_on: list[int] = []  # the connection each result arrived on
+        self.opened: dict[int, float] = {}  # each connection's time.monotonic() at its handshake
         self.server = ws_server.serve(self.handle, "127.0.0.1", 0, process_request=self.admit)
         self.url = f"ws://127.0.0.1:{self.server.socket.getsockname()[1]}/ws/volunteer/"
 
@@ -242,6 +243,7 @@ class AdmittingServer:
     def handle(self, ws: Any) -> None:
         self.connections += 1
         number = self.connections
+        self.opened[number] = time.monotonic()
         if number == 2:
             ws.close(4503, "try again later")
             return
@@ -276,6 +278,8 @@ def test_a_result_computed_while_away_survives_a_retry_later_close(
         server.computed.set()
         wait_for(lambda: server.results_on == [3], timeout=60)
         assert server.connections == 3
+        # backoff.js's floor after 4503: a client told to come back later does not come back at once.
+        assert server.opened[3] - server.opened[2] >= 4.9
     finally:
         server.computed.set()
         context.close()

@@ -15,7 +15,7 @@ function load() {
   return context.crowdtrain.backoff;
 }
 
-const { BASE_MS, CAP_MS, reconnectDelay } = load();
+const { BASE_MS, CAP_MS, RETRY_LATER_MS, reconnectDelay, retryLaterDelay } = load();
 
 test("the ceiling doubles from the base up to the cap", () => {
   const ceilings = [0, 1, 2, 3, 4, 5, 6, 7, 50].map((n) => reconnectDelay(n, () => 1 - 1e-12) + 1);
@@ -35,6 +35,14 @@ test("a storm spreads out: 10,000 clients' first retries fill the first second e
   const buckets = new Array(10).fill(0);
   for (let i = 0; i < 10000; i++) buckets[Math.floor(reconnectDelay(0) / 100)]++;
   for (const count of buckets) assert.ok(count > 800 && count < 1200, `${buckets}`);
+});
+
+test("told to come back later (4503), a client waits the floor, then full jitter above it", () => {
+  assert.equal(RETRY_LATER_MS, 5000);
+  assert.equal(retryLaterDelay(0, () => 0), 5000);
+  assert.equal(retryLaterDelay(3, () => 0.5), 9000);
+  const page = read("frontend/static/frontend/contribute.js");
+  assert.match(page, /code === RETRY_LATER \? retryLaterDelay\(/);
 });
 
 test("contribute.js takes its delays from backoff.js, and the page loads it first", () => {

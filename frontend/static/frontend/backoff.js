@@ -8,6 +8,9 @@
 
   const BASE_MS = 1000;
   const CAP_MS = 60000;
+  // A server busy admitting others closes at once with 4503 (config/admission.py); coming back within the
+  // same second only costs it another handshake, so such a retry waits at least this long.
+  const RETRY_LATER_MS = 5000;
 
   // `attempt` counts the failures since the last open socket (0 for the first retry); `random` in [0, 1).
   function reconnectDelay(attempt, random = Math.random, baseMs = BASE_MS, capMs = CAP_MS) {
@@ -15,5 +18,11 @@
     return Math.floor(random() * ceiling);
   }
 
-  (self.crowdtrain = self.crowdtrain || {}).backoff = Object.freeze({ BASE_MS, CAP_MS, reconnectDelay });
+  function retryLaterDelay(attempt, random = Math.random) {
+    return RETRY_LATER_MS + reconnectDelay(attempt, random);
+  }
+
+  (self.crowdtrain = self.crowdtrain || {}).backoff = Object.freeze({
+    BASE_MS, CAP_MS, RETRY_LATER_MS, reconnectDelay, retryLaterDelay,
+  });
 })();

@@ -19,9 +19,10 @@
   const WORKER_URL = app.dataset.workerUrl || "/static/frontend/worker.js";
   const SOCKET_PATH = app.dataset.socketPath || "/ws/volunteer/";
   const SOCKET_URL = app.dataset.socketUrl; // optional absolute ws(s):// URL (separate WebSocket host)
-  const { reconnectDelay } = self.crowdtrain.backoff; // backoff.js: full-jitter exponential back-off
+  const { reconnectDelay, retryLaterDelay } = self.crowdtrain.backoff; // backoff.js: full-jitter back-off
   const { PayloadRing } = self.crowdtrain.ring; // ring.js: pipeline mode's peer ring
   const THROTTLED = PROTOCOL.close_codes.throttled; // too many connects in the last minute (docs/protocol.md)
+  const RETRY_LATER = PROTOCOL.close_codes.retry_later; // the server is busy admitting others
   const THROTTLED_MS = 60000;
   const BUSY_RETRY_MS = 5000; // a result refused with `busy` is sent again after this (jittered)
   const DEVICE_ID_KEY = "crowdtrain-device-id";
@@ -351,7 +352,8 @@
     s.socket = null;
     if (!s.running) return;
     const throttled = code === THROTTLED;
-    const delay = (throttled ? THROTTLED_MS : 0) + reconnectDelay(s.retries);
+    const delay = code === RETRY_LATER ? retryLaterDelay(s.retries)
+      : (throttled ? THROTTLED_MS : 0) + reconnectDelay(s.retries);
     s.retries++;
     const why = t(throttled ? "throttled" : "connection_lost");
     setStatus(t("status_reconnecting", { why, seconds: Math.ceil(delay / 1000) }), "error");
