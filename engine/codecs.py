@@ -275,10 +275,25 @@ def encode_parts(
         out.update(entries)
     if not all(isinstance(k, str) and isinstance(v, str) for k, v in meta.items()):
         raise CodecError("metadata keys and values must be strings")
-    return _serialized(out, meta)
+    header, named = _serialized(out, meta)
+    return [header, *(piece for _, piece in named)]
 
 
-def _serialized(tensors: Mapping[str, Tensor], meta: Mapping[str, str]) -> list[memoryview]:
+def encode_fp32_named(tensors: Mapping[str, Tensor]) -> tuple[memoryview, list[tuple[str, memoryview]]]:
+    """encode_parts(tensors) (fp32) as the header and then (name, the tensor's own memory) in the order of
+    the bytes, for tensors that need no conversion: a caller changing them one by one may hash each piece
+    once it is final."""
+    for name, t in tensors.items():
+        if (t.is_floating_point() and t.dtype != torch.float32) or not t.is_contiguous():
+            raise CodecError(f"tensor '{name[:100]}': not contiguous float32 (or integer)")
+        if t.dtype not in SAFETENSORS_DTYPES:
+            raise CodecError(f"tensor '{name[:100]}': cannot encode {t.dtype}")
+    return _serialized(dict(tensors), {"codec": "fp32", "block_size": "256"})
+
+
+def _serialized(
+    tensors: Mapping[str, Tensor], meta: Mapping[str, str]
+) -> tuple[memoryview, list[tuple[str, memoryview]]]:
     # The safetensors layout: tensors with the widest elements first, so every one is aligned in the file
     # (the header is padded to 8 bytes); sorted metadata, so the same tensors always give the same bytes.
     order = sorted(tensors, key=lambda name: (-tensors[name].element_size(), name))
@@ -293,10 +308,10 @@ def _serialized(tensors: Mapping[str, Tensor], meta: Mapping[str, str]) -> list[
             "data_offsets": [offset, offset + size],
         }
         header[name], offset = entry, offset + size
-        pieces.append(_memory(t))
+        pieces.append((name, _memory(t)))
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)
-    return [memoryview(struct.pack("<Q", len(raw)) + raw), *pieces]
+    return memoryview(struct.pack("<Q", len(raw)) + raw), pieces
 
 
 # --- hostile JSON and safetensors headers -----------------------------------------------------------

@@ -112,3 +112,30 @@ def server_step_(
         sgd_step_(params, update, state, lr, momentum=momentum, nesterov=momentum > 0)
     else:
         sgd_step_(params, update, state, lr, momentum=momentum, weight_decay=weight_decay)
+
+
+def momentum_recovered(
+    before: Tensors,
+    after: Tensors,
+    prior: Tensors,
+    names: list[str],
+    *,
+    nesterov: bool,
+    lr: float,
+    momentum: float,
+) -> dict[str, Tensor]:
+    """The momentum buffers an sgd_step_ (dampening 0) left, recomputed from the params it started from
+    (`before`), the ones it produced (`after`) and, with Nesterov, the buffers it started from (`prior`;
+    none on a first step): equal to the lost ones up to float32 rounding. The step moved each param by
+    -lr * buf (weight decay is inside buf), or by -lr * (g + momentum * buf) with Nesterov, where
+    buf = momentum * prior + g, so buf = (moved / lr + momentum * prior) / (1 + momentum)."""
+    state: dict[str, Tensor] = {}
+    for name in names:
+        key = f"momentum_buffer:{name}"
+        buf = (before[name] - after[name]).div_(lr)
+        if nesterov:
+            if (previous := prior.get(key)) is not None:
+                buf.add_(previous, alpha=momentum)
+            buf.div_(1 + momentum)
+        state[key] = buf
+    return state

@@ -3,13 +3,17 @@ which blob."""
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import hashlib
 import mmap
 import os
+import queue
 import tempfile
-from collections.abc import Mapping, Sequence
+import threading
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
+from typing import Any
 from urllib.parse import urlencode
 
 import numpy as np
@@ -28,32 +32,138 @@ from projects.models import Blob, DatasetShard, ModelVersion, Project, Result, W
 
 Pieces = Sequence[bytes | memoryview]
 WRITE_SLICE = 1 << 18
+SPOOL_BYTES = 1 << 22  # from this size a blob is written by a thread of its own while it is hashed
+SPOOL_DIR = "00"  # where spooled files wait for their address (any blob directory: the sweep looks there)
 
 
-def blob_put(*, data: bytes | Pieces, content_type: str = "application/octet-stream") -> Blob:
+def blob_put(
+    *, data: bytes | Iterable[bytes | memoryview], content_type: str = "application/octet-stream"
+) -> Blob:
     """Store bytes once; storing the same bytes again returns the existing blob. `data` may come in pieces
-    (the blob is their concatenation), which are hashed and written one after the other, never joined.
+    (the blob is their concatenation), which are hashed and written one after the other, never joined; an
+    iterator of pieces is consumed as it yields them (the publish step yields each tensor once stepped).
+
+    A large local blob is written to a temporary file by another thread while this one hashes it (both
+    release the GIL: 45 MB took 25 ms to hash and 13 ms to write, one after the other), then renamed to its
+    address once known, after the row is upserted.
 
     Safe against the garbage collector (projects/storage.py) collecting these bytes at the same moment: the
     row is upserted first, which refreshes `stored_at` (the collector spares rows stored within its grace
     period) and keeps the row locked until the caller's transaction ends (the collector skips locked rows).
     Had the collector locked the row first, the upsert waits for it to commit and inserts the row anew; the
-    file, which the collector moved away before committing, is then written again below."""
+    file, which the collector moved away before committing, is then put in place again below."""
     pieces = [data] if isinstance(data, (bytes, bytearray, memoryview)) else data
-    digest = hashlib.sha256()
+    if blob_store.remote():
+        return _put_remote(pieces=list(pieces), content_type=content_type)
+    if isinstance(pieces, Sequence) and sum(memoryview(p).nbytes for p in pieces) < SPOOL_BYTES:
+        sha, size = _digest(pieces)
+        with transaction.atomic():
+            _upsert(sha=sha, size=size, content_type=content_type)
+            _write_file(path=_path(sha), pieces=pieces)
+            return Blob.objects.get(pk=sha)
+    with _Spool() as spool:
+        sha, size = _digest(spool.feed(pieces))
+        with transaction.atomic():
+            _upsert(sha=sha, size=size, content_type=content_type)
+            spool.place(path=_path(sha))
+            return Blob.objects.get(pk=sha)
+
+
+def _put_remote(*, pieces: Pieces, content_type: str) -> Blob:
+    """An S3-compatible bucket shared by several machines: the object's key is the hash, so hash first."""
+    sha, size = _digest(pieces)
+    with transaction.atomic():
+        _upsert(sha=sha, size=size, content_type=content_type)
+        blob_store.upload(sha=sha, pieces=pieces)
+        return Blob.objects.get(pk=sha)
+
+
+def _digest(pieces: Iterable[bytes | memoryview]) -> tuple[str, int]:
+    digest, size = hashlib.sha256(), 0
     for piece in pieces:
         digest.update(piece)
-    sha, size = digest.hexdigest(), sum(memoryview(piece).nbytes for piece in pieces)
-    with transaction.atomic():
-        row = Blob(sha256=sha, size=size, content_type=content_type, stored_at=timezone.now())
-        Blob.objects.bulk_create(
-            [row], update_conflicts=True, unique_fields=["sha256"], update_fields=["stored_at"]
-        )
-        if blob_store.remote():  # an S3-compatible bucket shared by several machines
-            blob_store.upload(sha=sha, pieces=pieces)
-        else:
-            _write_file(path=settings.BLOB_ROOT / sha[:2] / sha, pieces=pieces)
-        return Blob.objects.get(pk=sha)
+        size += memoryview(piece).nbytes
+    return digest.hexdigest(), size
+
+
+def _upsert(*, sha: str, size: int, content_type: str) -> None:
+    row = Blob(sha256=sha, size=size, content_type=content_type, stored_at=timezone.now())
+    Blob.objects.bulk_create(
+        [row], update_conflicts=True, unique_fields=["sha256"], update_fields=["stored_at"]
+    )
+
+
+def _path(sha: str) -> Path:
+    return Path(settings.BLOB_ROOT) / sha[:2] / sha
+
+
+class _Spool:
+    """A temporary blob file written by a thread of its own from the pieces `feed` passes on, so that the
+    caller hashes while it is written. Named .tmp-* in a blob directory: the orphan sweep removes what a
+    crash leaves (projects/storage.py)."""
+
+    def __init__(self) -> None:
+        self._queue: queue.SimpleQueue[memoryview | None] = queue.SimpleQueue()
+        self._error: BaseException | None = None
+        self._tmp: str | None = None
+        self._thread = threading.Thread(target=self._write, name="blob-spool", daemon=True)
+
+    def __enter__(self) -> _Spool:
+        directory = Path(settings.BLOB_ROOT) / SPOOL_DIR
+        directory.mkdir(parents=True, exist_ok=True)
+        fd, self._tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-")
+        self._handle = os.fdopen(fd, "wb", buffering=0)
+        self._thread.start()
+        return self
+
+    def feed(self, pieces: Iterable[bytes | memoryview]) -> Iterator[bytes | memoryview]:
+        """`pieces`, each also queued for the writer as it is yielded."""
+        for piece in pieces:
+            self._queue.put(memoryview(piece).cast("B"))
+            yield piece
+        self._queue.put(None)
+
+    def _write(self) -> None:
+        try:
+            while (view := self._queue.get()) is not None:
+                _write_view(self._handle, view)
+        except BaseException as exc:  # noqa: BLE001 - re-raised by place() in the caller's thread
+            self._error = exc
+            while self._queue.get() is not None:  # drain: the feeder never blocks, but let it finish
+                pass
+        finally:
+            self._handle.close()
+
+    def place(self, *, path: Path) -> None:
+        """Wait for the writer, then put the file at `path` (or only touch it if the blob is there)."""
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        assert self._tmp is not None
+        try:
+            os.utime(path)  # the same bytes are there already; fresh for the orphan sweep
+            return
+        except FileNotFoundError:
+            pass
+        path.parent.mkdir(parents=True, exist_ok=True)
+        os.replace(self._tmp, path)
+        self._tmp = None
+
+    def __exit__(self, *exc: object) -> None:
+        if self._thread.is_alive():  # the caller failed before the end of the pieces
+            self._queue.put(None)
+            self._thread.join()
+        if self._tmp is not None:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self._tmp)
+
+
+def _write_view(handle: Any, view: memoryview) -> None:
+    # In slices: one write of 45 MB took 75 ms of CPU here, 180 writes of 256 KB 11 ms.
+    for start in range(0, len(view), WRITE_SLICE):
+        chunk = view[start : start + WRITE_SLICE]
+        while chunk.nbytes:  # an unbuffered write may be short
+            chunk = chunk[handle.write(chunk) :]
 
 
 def blob_put_tensors(
@@ -102,12 +212,9 @@ def _write_file(*, path: Path, pieces: Pieces) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     # Write then rename, so a reader never sees a half-written blob.
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-")
-    with os.fdopen(fd, "wb") as handle:
+    with os.fdopen(fd, "wb", buffering=0) as handle:
         for piece in pieces:
-            view = memoryview(piece).cast("B")
-            # In slices: one write of 45 MB took 75 ms of CPU here, 180 writes of 256 KB 11 ms.
-            for start in range(0, len(view), WRITE_SLICE):
-                handle.write(view[start : start + WRITE_SLICE])
+            _write_view(handle, memoryview(piece).cast("B"))
     os.replace(tmp, path)
 
 

@@ -342,9 +342,12 @@ def version_publish(
     momentum: Tensors,
     train_loss: float | None = None,
     samples: int = 0,
+    weights_blob: Blob | None = None,
 ) -> ModelVersion:
+    """`weights_blob`: the weights already stored (training._step_stored); empty `momentum`: no optimizer
+    state stored with the version (none, or stored later: training._keep)."""
     # Hashed and written from the tensors' own memory, never joined into bytes (tens of MB for a ResNet).
-    weights_blob = blob_put_tensors(tensors=weights)
+    weights_blob = weights_blob or blob_put_tensors(tensors=weights)
     state_blob = blob_put_tensors(tensors=momentum) if momentum else None
     codec = project.weights_codec
     wire = blob_put_tensors(tensors=weights, codec=codec) if codec != Project.WeightsCodec.FP32 else None

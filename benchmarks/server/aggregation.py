@@ -28,6 +28,7 @@ import math
 import os
 import statistics
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -49,21 +50,36 @@ class Measured:
     """CPU milliseconds of each trial of one step; the median is what counts."""
 
     samples: list[float] = field(default_factory=list)
+    wall: list[float] = field(default_factory=list)  # elapsed milliseconds of the same trials
 
     @property
     def median(self) -> float:
         return statistics.median(self.samples)
 
+    @property
+    def wall_median(self) -> float:
+        return statistics.median(self.wall)
 
-def cpu(fn: Callable[[], object], trials: int, setup: Callable[[], object] | None = None) -> Measured:
+
+def cpu(
+    fn: Callable[[], object],
+    trials: int,
+    setup: Callable[[], object] | None = None,
+    teardown: Callable[[], object] | None = None,
+) -> Measured:
+    """CPU time of this process (every thread's) and elapsed time of `fn`; `setup` and `teardown` (e.g.
+    waiting for what `fn` left running after it returned) are not timed."""
     measured = Measured()
     for _ in range(trials):
         if setup is not None:
             setup()
         gc.collect()
-        start = time.process_time()
+        start, started = time.process_time(), time.perf_counter()
         fn()
         measured.samples.append((time.process_time() - start) * 1000)
+        measured.wall.append((time.perf_counter() - started) * 1000)
+        if teardown is not None:
+            teardown()
     return measured
 
 
@@ -183,7 +199,10 @@ def _mean_difference(held: list[dict[str, torch.Tensor]], names: list[str], blob
 
 
 def publish(project: Any, trials: int) -> dict[str, Any]:
-    """One version published from the round's mean update, before and after (warm and cold)."""
+    """One version published from the round's mean update (the step, the weights stored, the version's
+    row), before (the code as it was), main (before this change) and after, warm and cold. After, the
+    momentum is stored once the version is out (training._keep): that is timed apart, off the critical
+    path, and waited for between trials (the next step would wait for it too)."""
     from projects import training
     from projects.services import project_graph, version_publish
 
@@ -192,6 +211,7 @@ def publish(project: Any, trials: int) -> dict[str, Any]:
     shapes = {t.name: tuple(t.shape) for t in graph.params}
     update = honest_update(names, shapes, seed=2)
     scratch: dict[str, torch.Tensor] = {}
+    published: list[tuple[Any, dict[str, torch.Tensor], dict[str, torch.Tensor]]] = []
 
     def fresh_update() -> None:
         scratch.clear()
@@ -199,11 +219,40 @@ def publish(project: Any, trials: int) -> dict[str, Any]:
 
     def after() -> None:
         current = project.current_version()
-        params, state = training._step(project=project, version=current, update=dict(scratch))
-        version = version_publish(
-            project=project, number=current.number + 1, weights=params, momentum=state, samples=64
+        params, state, blob = training._step_stored(
+            project=project, version=current, update=dict(scratch), buffers={}
         )
+        version = version_publish(
+            project=project,
+            number=current.number + 1,
+            weights=params,
+            weights_blob=blob,
+            momentum={},
+            samples=64,
+        )
+        published.append((version, params, state))
+
+    def kept() -> None:  # on commit, as _publish does: the momentum is stored by a thread of its own
+        version, params, state = published.pop()
         training._keep(version=version, weights=params, state=state)
+        _saved(training)
+
+    def main() -> None:
+        current = project.current_version()
+        params, state = training._step(project=project, version=current, update=dict(scratch))
+        version = before.version_publish_main(
+            project=project,
+            number=current.number + 1,
+            weights=params,
+            momentum=state,
+            samples=64,
+            wire_codec=project.weights_codec,
+        )
+        published.append((version, params, state))
+
+    def main_kept() -> None:
+        version, params, state = published.pop()
+        training._published[project.pk] = training._Kept(version.pk, version.weights_id, params, state, None)
 
     def old() -> None:
         current = project.current_version()
@@ -225,25 +274,73 @@ def publish(project: Any, trials: int) -> dict[str, Any]:
         fresh_update()
         training._published.clear()
 
-    fresh_update()
-    after()  # version 1: from here on every version has a momentum state, as in a long run
+    def once(fn: Callable[[], None], then: Callable[[], None]) -> None:  # untimed: the last version is
+        fresh_update()  # now this process's own, stored as that path stores it
+        fn()
+        then()
+
+    once(after, kept)  # version 1: from here on every version has a momentum state, as in a long run
     measured = {"before": cpu(old, trials, setup=fresh_update)}
-    fresh_update()
-    after()  # untimed: the last version is now this process's own
-    measured["after (warm: this process published the last version)"] = cpu(after, trials, setup=fresh_update)
-    measured["after (cold: the last version read from its blobs)"] = cpu(after, trials, setup=cold)
+    once(main, main_kept)
+    measured["main (warm)"] = cpu(main, trials, setup=fresh_update, teardown=main_kept)
+    measured["main (cold)"] = cpu(main, trials, setup=cold, teardown=lambda: published.clear())
+    once(after, kept)
+    measured[WARM] = cpu(after, trials, setup=fresh_update, teardown=kept)
+    measured["after (cold: the last version read from its blobs)"] = cpu(
+        after, trials, setup=cold, teardown=kept
+    )
     project.weights_codec = "int8"  # volunteers download int8 weights too (a third blob, quantised)
     measured["before, int8 weights down too"] = cpu(old, trials, setup=fresh_update)
-    fresh_update()
-    after()
-    measured["after (warm), int8 weights down too"] = cpu(after, trials, setup=fresh_update)
+    once(main, main_kept)
+    measured["main (warm), int8 weights down too"] = cpu(main, trials, setup=fresh_update, teardown=main_kept)
+    once(after, kept)
+    measured["after (warm), int8 weights down too"] = cpu(after, trials, setup=fresh_update, teardown=kept)
     project.weights_codec = "fp32"
     return {
         "publish_ms": {k: round(v.median, 2) for k, v in measured.items()},
+        "publish_wall_ms": {k: round(v.wall_median, 2) for k, v in measured.items()},
         "trials_ms": {k: v.samples for k, v in measured.items()},
+        "trials_wall_ms": {k: v.wall for k, v in measured.items()},
+        "momentum_stored_after_ms": _momentum_store(project, training, trials),
         "parts_ms": _publish_parts(project, update, training, trials),
         "step_max_abs_difference": _step_difference(project, update, training),
+        "recovered_momentum_max_relative_difference": _recovery_difference(project),
     }
+
+
+WARM = "after (warm: this process published the last version)"
+
+
+def _saved(training: Any) -> None:
+    """Wait for the momentum being stored (as the next step would)."""
+    for kept in list(training._published.values()):
+        if kept.saver is not None:
+            kept.saver.join()
+
+
+def _momentum_store(project: Any, training: Any, trials: int) -> dict[str, float]:
+    """Storing a version's momentum after it was announced (training._state_store), CPU and elapsed: off
+    the critical path, on the worker's time before its next task."""
+    current = project.current_version()
+    _, state = training._owned(version=current)
+    stored = cpu(
+        lambda: training._state_store(version_id=current.pk, state=state),
+        trials,
+        teardown=lambda: _unstored(current),
+    )
+    training._state_store(version_id=current.pk, state=state)
+    return {"cpu": round(stored.median, 2), "elapsed": round(stored.wall_median, 2)}
+
+
+def _unstored(version: Any) -> None:
+    """Forget the stored state again, row reference and file, so that the next trial writes it anew (the
+    same bytes at the same address; the Blob row stays)."""
+    from projects.models import ModelVersion
+
+    stored = ModelVersion.objects.select_related("optimizer_state").get(pk=version.pk).optimizer_state
+    ModelVersion.objects.filter(pk=version.pk).update(optimizer_state=None)
+    if stored is not None:
+        Path(stored.path).unlink(missing_ok=True)
 
 
 def _publish_parts(
@@ -278,6 +375,12 @@ def _publish_parts(
                 handle.write(piece)
         path.unlink()
 
+    def both() -> None:  # as blob_put does: written by a thread of its own while this one hashes
+        writer = threading.Thread(target=write)
+        writer.start()
+        sha256()
+        writer.join()
+
     parts = {
         "optimizer step (in place)": cpu(
             step, trials, setup=lambda: step_update.update({k: v.clone() for k, v in update.items()})
@@ -288,9 +391,15 @@ def _publish_parts(
         "SHA-256 of the weights (45 MB)": cpu(sha256, trials),
         "write the weights file (45 MB)": cpu(write, trials),
     }
+    together = cpu(both, trials)
     os.rmdir(target)
     result = {k: round(v.median, 2) for k, v in parts.items()}
-    result["floor: SHA-256 + write of weights and momentum"] = round(
+    result["SHA-256 and write in two threads: CPU"] = round(together.median, 2)
+    result["SHA-256 and write in two threads: elapsed"] = round(together.wall_median, 2)
+    result["SHA-256 of the weights: elapsed (the floor of a publish: one hash chain)"] = round(
+        parts["SHA-256 of the weights (45 MB)"].wall_median, 2
+    )
+    result["main's floor: SHA-256 + write of weights and momentum (CPU)"] = round(
         2 * (parts["SHA-256 of the weights (45 MB)"].median + parts["write the weights file (45 MB)"].median),
         2,
     )
@@ -304,10 +413,32 @@ def _step_difference(project: Any, update: dict[str, torch.Tensor], training: An
     state = before.decode(before.read(current.optimizer_state))[0]
     expected, _ = before.sgd_step(weights, update, state, lr=project.learning_rate, momentum=project.momentum)
     training._published.clear()
-    got, _ = training._step(
-        project=project, version=current, update={k: v.clone() for k, v in update.items()}
+    got, _, _ = training._step_stored(
+        project=project, version=current, update={k: v.clone() for k, v in update.items()}, buffers={}
     )
     return max(float((expected[n] - got[n]).abs().max()) for n in update)
+
+
+def _recovery_difference(project: Any) -> float:
+    """The momentum a step recomputes when its version's was never stored (the publishing process died)
+    against the stored one: float32 rounding, relative to the buffer's largest value."""
+    from engine import optim
+
+    current = project.current_version()
+    previous = project.versions.get(number=current.number - 1)
+    true = before.decode(before.read(current.optimizer_state))[0]
+    recovered = optim.momentum_recovered(
+        before.decode(before.read(previous.weights_blob))[0],
+        before.decode(before.read(current.weights_blob))[0],
+        before.decode(before.read(previous.optimizer_state))[0],
+        [key.split(":", 1)[1] for key in true],
+        nesterov=False,
+        lr=project.learning_rate,
+        momentum=project.momentum,
+    )
+    return max(
+        float((true[k] - recovered[k]).abs().max() / true[k].abs().max().clamp_min(1e-30)) for k in true
+    )
 
 
 def measure(*, trials: int) -> dict[str, Any]:
@@ -317,7 +448,7 @@ def measure(*, trials: int) -> dict[str, Any]:
     updates = per_update(project, trials)
     versions = publish(project, trials)
     after, before_total = updates["total_ms"]["after"], updates["total_ms"]["before"]
-    warm = versions["publish_ms"]["after (warm: this process published the last version)"]
+    warm = versions["publish_wall_ms"][WARM]
     return {
         "config": {
             "model": "ResNet-18 preset (CIFAR variant)",
@@ -337,7 +468,8 @@ def measure(*, trials: int) -> dict[str, Any]:
         },
         "speedup": {
             "per_update": round(before_total / after, 1),
-            "publish_warm": round(versions["publish_ms"]["before"] / warm, 1),
+            "publish_warm_elapsed": round(versions["publish_wall_ms"]["before"] / warm, 1),
+            "publish_warm_elapsed_vs_main": round(versions["publish_wall_ms"]["main (warm)"] / warm, 1),
         },
     }
 
@@ -350,12 +482,17 @@ def table(result: dict[str, Any]) -> str:
         rows += [(f"{side:<7}{step}", ms) for step, ms in updates["steps_ms"][side].items()]
         rows.append((f"{side:<7}per update, total", updates["total_ms"][side]))
     rows.append((f"{'':<7}(once per round: allocating the sums)", updates["round_sums_allocation_ms"]))
-    rows += [(f"publish {step}", ms) for step, ms in versions["publish_ms"].items()]
-    rows += [(f"  {step}", ms) for step, ms in versions["parts_ms"].items()]
     lines += [f"  {label:<68}{ms:>9.2f}" for label, ms in rows]
+    lines.append(f"  {'publish (CPU ms, elapsed ms)':<68}{'CPU':>9}{'elapsed':>9}")
+    for step, ms in versions["publish_ms"].items():
+        lines.append(f"  {step:<68}{ms:>9.2f}{versions['publish_wall_ms'][step]:>9.2f}")
+    stored = versions["momentum_stored_after_ms"]
+    label = "  momentum stored after the announcement (off the path)"
+    lines.append(f"  {label:<68}{stored['cpu']:>9.2f}{stored['elapsed']:>9.2f}")
+    lines += [f"  {'  ' + step:<68}{ms:>9.2f}" for step, ms in versions["parts_ms"].items()]
     verdict = {True: "met", False: "NOT met"}
     lines.append(
         f"  targets: per update <= {TARGETS['per_update_ms']:g} ms {verdict[met['per_update_ms']]}, "
-        f"publish <= {TARGETS['publish_ms']:g} ms {verdict[met['publish_ms']]}"
+        f"publish <= {TARGETS['publish_ms']:g} ms elapsed {verdict[met['publish_ms']]}"
     )
     return "\n".join(lines)

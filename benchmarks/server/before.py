@@ -211,3 +211,62 @@ def version_publish(
         wire_weights=blob_put(data=encode(weights, wire_codec)) if wire_codec != "fp32" else None,
         samples=samples,
     )
+
+
+# --- main's publish at 775d94c (after the rest of issue 15, before the publish work) -----------------------
+#
+# The step in place on this process's copy of the weights and momentum, then the weights and the momentum
+# each hashed and written from the tensors' memory, one after the other, before the version's row.
+
+
+def blob_put_pieces(*, pieces: Sequence[memoryview]) -> Any:
+    from django.conf import settings
+    from django.db import transaction
+    from django.utils import timezone
+
+    from projects.models import Blob
+
+    digest = hashlib.sha256()
+    for piece in pieces:
+        digest.update(piece)
+    sha, size = digest.hexdigest(), sum(piece.nbytes for piece in pieces)
+    with transaction.atomic():
+        row = Blob(sha256=sha, size=size, stored_at=timezone.now())
+        Blob.objects.bulk_create(
+            [row], update_conflicts=True, unique_fields=["sha256"], update_fields=["stored_at"]
+        )
+        _write_pieces(path=Path(settings.BLOB_ROOT) / sha[:2] / sha, pieces=pieces)
+        return Blob.objects.get(pk=sha)
+
+
+def _write_pieces(*, path: Path, pieces: Sequence[memoryview]) -> None:
+    try:
+        os.utime(path)
+        return
+    except FileNotFoundError:
+        pass
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-")
+    with os.fdopen(fd, "wb") as handle:
+        for piece in pieces:
+            view = piece.cast("B")
+            for start in range(0, len(view), 1 << 18):
+                handle.write(view[start : start + (1 << 18)])
+    os.replace(tmp, path)
+
+
+def version_publish_main(
+    *, project: Any, number: int, weights: Tensors, momentum: Tensors, samples: int, wire_codec: str
+) -> Any:
+    from engine.codecs import encode_parts
+    from projects.models import ModelVersion
+
+    wire = blob_put_pieces(pieces=encode_parts(weights, wire_codec)) if wire_codec != "fp32" else None
+    return ModelVersion.objects.create(
+        project=project,
+        number=number,
+        weights=blob_put_pieces(pieces=encode_parts(weights)),
+        optimizer_state=blob_put_pieces(pieces=encode_parts(momentum)) if momentum else None,
+        wire_weights=wire,
+        samples=samples,
+    )

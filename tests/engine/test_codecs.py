@@ -524,3 +524,20 @@ def test_quantizing_a_chunk_at_a_time_gives_the_padded_formulas_bits(blocks: int
     got_q, got_scale = codecs.quantize_int8(x, blocks)
     assert torch.equal(got_scale, scale)
     assert torch.equal(got_q, q.to(torch.int8).reshape(-1)[: x.numel()])
+
+
+def test_encode_fp32_named_is_encode_parts_in_named_pieces_of_the_tensors_own_memory() -> None:
+    """The publish step hashes each tensor once stepped: the pieces must be the blob's bytes in order,
+    and the tensors' memory itself (a change to a tensor is a change to its piece)."""
+    from engine.codecs import encode_fp32_named, encode_parts
+
+    tensors = {"w": torch.randn(3, 4), "b": torch.randn(4), "steps": torch.tensor([3], dtype=torch.int64)}
+    header, named = encode_fp32_named(tensors)
+    assert header.tobytes() + b"".join(p.tobytes() for _, p in named) == encode(tensors)
+    assert b"".join(bytes(p) for p in encode_parts(tensors)) == encode(tensors)
+    tensors["w"].add_(1.0)
+    assert dict(named)["w"].tobytes() == tensors["w"].numpy().tobytes()
+    with pytest.raises(CodecError, match="float32"):
+        encode_fp32_named({"h": torch.randn(2).half()})
+    with pytest.raises(CodecError, match="contiguous"):
+        encode_fp32_named({"t": torch.randn(3, 4).t()})

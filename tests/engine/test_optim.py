@@ -110,3 +110,30 @@ def test_the_in_place_server_step_is_the_server_step(averaging: bool) -> None:
         server_step_(owned, {k: v.clone() for k, v in update.items()}, owned_state, **rule)  # type: ignore[arg-type]
     assert all(torch.equal(params[k], owned[k]) for k in params)
     assert all(torch.equal(state[k], owned_state[k]) for k in state)
+
+
+@pytest.mark.parametrize(
+    "config",
+    [{"lr": 0.1, "momentum": 0.9, "weight_decay": 0.01}, {"lr": 0.7, "momentum": 0.9, "nesterov": True}],
+)
+def test_momentum_is_recovered_from_the_weights_a_step_moved(config: dict[str, Any]) -> None:
+    """A step's lost momentum buffers, recomputed from the weights before and after it (and, with Nesterov,
+    the buffers before it), are the real ones up to float32 rounding, on a first step and later ones."""
+    from engine.optim import momentum_recovered
+
+    params, state = _updates(1, seed=7)[0], dict[str, torch.Tensor]()
+    for step, grad in enumerate(_updates(3, seed=3)):
+        before, prior = {k: v.clone() for k, v in params.items()}, {k: v.clone() for k, v in state.items()}
+        sgd_step_(params, grad, state, **config)
+        recovered = momentum_recovered(
+            before,
+            params,
+            prior,
+            list(params),
+            nesterov=bool(config.get("nesterov")),
+            lr=config["lr"],
+            momentum=config["momentum"],
+        )
+        assert recovered.keys() == state.keys(), step
+        for key, value in state.items():
+            torch.testing.assert_close(recovered[key], value, rtol=1e-4, atol=1e-5)

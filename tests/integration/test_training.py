@@ -429,10 +429,11 @@ def test_the_next_step_changes_the_weights_this_process_published_in_place(
     monkeypatch.setattr(training, "_read", reading)
     rounds = [round_of_two(project, (volunteer_user, other_volunteer)) for _ in range(2)]
     assert reads == [project.versions.get(number=0).weights_id]  # version 0 was published by project_start
-    training._published.clear()  # as if another worker published version 2
+    # As if another worker had published version 2: its momentum stored (_keep's thread), then forgotten.
+    training._published.popitem()[1].saver.join()  # type: ignore[union-attr]
     rounds.append(round_of_two(project, (volunteer_user, other_volunteer)))
     v2 = project.versions.get(number=2)
-    assert reads[1:] == [v2.optimizer_state_id, v2.weights_id]
+    assert reads[1:] == [v2.weights_id, v2.optimizer_state_id]
     published = version_weights(version=project.current_version())
     expected = torch_steps(v0, [mean(updates) for updates in rounds])
     for name, value in expected.items():
@@ -460,3 +461,73 @@ def test_every_aggregator_combines_blobs_as_it_combines_decoded_updates(
     for name, value in expected.items():
         torch.testing.assert_close(streamed[name], value, rtol=1e-6, atol=1e-6)
     assert (float(streamed["fc1.weight"].abs().max()) < 1.0) == (aggregator != "mean")
+
+
+def test_a_version_is_out_before_its_momentum_is_stored(
+    mlp_project: Project, volunteer_user: User, other_volunteer: User, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Only the next step needs the momentum: the version (weights blob and row) commits and is announced
+    first, its momentum is stored after by a thread of its own, and the next step in this process waits
+    for that thread before changing the state it reads."""
+    project = fp32(mlp_project)
+    v0 = version_weights(version=project.current_version())
+    release, store = threading.Event(), training._state_store
+    announced: list[int] = []
+
+    def slow_store(*, version_id: int, state: dict[str, torch.Tensor]) -> None:
+        assert release.wait(10)
+        store(version_id=version_id, state=state)
+
+    monkeypatch.setattr(training, "_state_store", slow_store)
+    monkeypatch.setattr(training.notify, "work_available", lambda: announced.append(1))
+    rounds = [round_of_two(project, (volunteer_user, other_volunteer))]
+    v1 = project.versions.get(number=1)
+    assert announced and v1.weights_id and v1.optimizer_state_id is None  # out, momentum not stored yet
+    release.set()
+    rounds.append(round_of_two(project, (volunteer_user, other_volunteer)))  # waits for the saver
+    v1.refresh_from_db()
+    assert v1.optimizer_state_id is not None
+    expected = torch_steps(v0, [mean(updates) for updates in rounds])
+    published = version_weights(version=project.current_version())
+    for name, value in expected.items():
+        torch.testing.assert_close(published[name], value, rtol=1e-5, atol=1e-6)
+
+
+def test_a_crash_before_the_momentum_is_stored_leaves_a_state_the_next_step_recovers(
+    mlp_project: Project, volunteer_user: User, other_volunteer: User, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The process that published version 2 died before storing its momentum: the next step (another
+    process) recomputes it from versions 1 and 2's weights, stores it, and steps as torch's SGD would (up to
+    float32 rounding)."""
+    project = fp32(mlp_project)
+    v0 = version_weights(version=project.current_version())
+    rounds = [round_of_two(project, (volunteer_user, other_volunteer))]
+    store = training._state_store
+
+    def crash(*, version_id: int, state: dict[str, torch.Tensor]) -> None:
+        raise SystemExit("the worker died")  # not an Exception: nothing is logged and nothing stored
+
+    monkeypatch.setattr(training, "_state_store", crash)
+    rounds.append(round_of_two(project, (volunteer_user, other_volunteer)))
+    v2 = project.versions.get(number=2)
+    training._published[project.pk].saver.join()  # type: ignore[union-attr]
+    training._published.clear()  # its memory is gone with it
+    assert v2.optimizer_state_id is None
+    monkeypatch.setattr(training, "_state_store", store)
+    rounds.append(round_of_two(project, (volunteer_user, other_volunteer)))
+    v2.refresh_from_db()
+    assert v2.optimizer_state_id is not None  # recomputed and stored by the step that needed it
+    expected = torch_steps(v0, [mean(updates) for updates in rounds])
+    published = version_weights(version=project.current_version())
+    for name, value in expected.items():
+        torch.testing.assert_close(published[name], value, rtol=1e-5, atol=1e-6)
+
+
+def test_without_momentum_no_state_is_expected_or_recomputed(
+    mlp_project: Project, volunteer_user: User, other_volunteer: User
+) -> None:
+    project = fp32(mlp_project, momentum=0.0)
+    for _ in range(2):
+        round_of_two(project, (volunteer_user, other_volunteer))
+        training._published.clear()
+    assert not project.versions.exclude(optimizer_state=None).exists()
