@@ -42,7 +42,7 @@ import kombu.exceptions
 import redis.exceptions
 import torch
 from django.db import InterfaceError, OperationalError, transaction
-from django.db.models import F
+from django.db.models import F, QuerySet
 
 from engine import codecs
 from engine.aggregate import check_update
@@ -102,31 +102,91 @@ REPLICA_REFERENCE = "another volunteer's result for the same work unit"
 CANONICAL_REFERENCE = "the accepted result of this work unit"
 
 
-def result_validate(*, result_id: int) -> tuple[Result, list[int]]:
+# Results one validation decides in one transaction (issue 15): the validator used to take one task and
+# three transactions per result, each committing (an fsync) and each verdict asking round_ready again. A
+# batch is what waits when its task runs, so it grows with the backlog and costs nothing when there is none.
+BATCH_SIZE = 32
+
+
+def results_validate(*, result_id: int, limit: int = BATCH_SIZE) -> list[int]:
     """Decide a received result: valid (credited, may be aggregated) or invalid (its slice is resent); in
-    a replicated work unit, pending until a quorum of results is in, which then decides them all. Returns
-    the result and the ids of every result decided, for the caller to announce once this commits
-    (training.results_decided): late results get their verdict too, so no volunteer waits for an answer that
-    never comes."""
+    a replicated work unit, pending until a quorum of results is in, which then decides them all. With it,
+    up to `limit - 1` other results of its project waiting for validation (batch_mates), each judged in
+    isolation (a savepoint each: one that raises condemns only itself), all in one transaction. Returns the
+    ids of every result decided, for the caller to announce once this commits (training.results_decided):
+    late results get their verdict too, so no volunteer waits for an answer that never comes."""
     with transaction.atomic():
-        # The work unit before its results: a quorum decides several results at once, and the work unit's
-        # lock serialises them; lifecycle.py takes locks in the same order. Only the work unit's row: locking
-        # the joined project too (as this once did) made a project's validations, recomputations included,
-        # run one at a time however many workers there were.
-        work_unit_id = Result.objects.values_list("work_unit_id", flat=True).get(pk=result_id)
-        work_unit = (
-            WorkUnit.objects.select_for_update(of=("self",), no_key=True)
-            .select_related("project", "version", "shard__blob", "reference")
-            .get(pk=work_unit_id)
-        )
-        locked = Result.objects.select_for_update(of=("self",), no_key=True)
-        # Its volunteer too: trust, credit and verdicts read the user, one query fewer per result.
-        result = locked.select_related("blob", "volunteer").get(pk=result_id)
-        if result.status != Result.Status.RECEIVED or result.validation != Result.Validation.PENDING:
-            return result, []
+        first = _locked_pending(result_id=result_id)
+        if first is None:
+            return []  # decided already (by another task's batch, or a retry of this one)
+        mates = _batch_mates(first=first, limit=limit - 1)
+        # Every volunteer's row of the batch (in id order), then their teams', before any verdict: verdicts
+        # lock them one by one, and two batches doing so in crossing orders would deadlock.
+        credit_lock(user_ids=[r.volunteer_id for r in [first, *mates]])
+        decided = _judge_or_invalidate(first)
+        for mate in mates:
+            decided += _judge_mate(mate)
+    return [r.pk for r in decided]
+
+
+def _locked_pending(*, result_id: int) -> Result | None:
+    """The result, locked after its work unit, if it still waits for its verdict."""
+    # The work unit before its results: a quorum decides several results at once, and the work unit's
+    # lock serialises them; lifecycle.py takes locks in the same order. Only the work unit's row: locking
+    # the joined project too (as this once did) made a project's validations, recomputations included,
+    # run one at a time however many workers there were.
+    row = Result.objects.filter(pk=result_id, **_PENDING).values_list("work_unit_id", flat=True).first()
+    if row is None:
+        return None
+    work_unit = _for_judging(WorkUnit.objects.select_for_update(of=("self",), no_key=True)).get(pk=row)
+    locked = Result.objects.select_for_update(of=("self",), no_key=True)
+    # Its volunteer too: trust, credit and verdicts read the user, one query fewer per result.
+    result = locked.select_related("blob", "volunteer").filter(pk=result_id, **_PENDING).first()
+    if result is not None:
         result.work_unit = work_unit
-        decided = _judge_or_invalidate(result)
-    return result, [r.pk for r in decided]
+    return result
+
+
+_PENDING = {"status": Result.Status.RECEIVED, "validation": Result.Validation.PENDING, "checked": False}
+
+
+def _for_judging(work_units: QuerySet[WorkUnit]) -> QuerySet[WorkUnit]:
+    return work_units.select_related("project", "version", "shard__blob", "reference")
+
+
+def _batch_mates(*, first: Result, limit: int) -> list[Result]:
+    """Up to `limit` more results of `first`'s project waiting for validation, locked with their work units.
+    Only plain data-parallel units checked by the server: a quorum or a pipeline stage locks rows beyond its
+    own (the other replicas, the ring's peers). Locks never waited for (SKIP LOCKED): a row another
+    transaction holds (another validator, the step cancelling its round) is left to that row's own task,
+    so a batch holding several work units never waits on one and cannot close a cycle."""
+    project = first.work_unit.project
+    if limit < 1 or project.is_pipeline or project.spot_check_by != Project.SpotCheckBy.SERVER:
+        return []
+    locked = Result.objects.select_for_update(of=("self",), no_key=True, skip_locked=True)
+    candidates = locked.filter(
+        work_unit__project_id=project.pk, work_unit__min_quorum=1, work_unit__stage_kind="", **_PENDING
+    ).exclude(pk=first.pk)
+    mates = list(candidates.select_related("blob", "volunteer").order_by("pk")[:limit])
+    units = _for_judging(WorkUnit.objects.select_for_update(of=("self",), no_key=True, skip_locked=True))
+    wanted = {mate.work_unit_id for mate in mates} - {first.work_unit_id}
+    by_id = {unit.pk: unit for unit in units.filter(pk__in=wanted)}
+    by_id[first.work_unit_id] = first.work_unit  # the same object: a verdict on it is seen by the next
+    kept = [mate for mate in mates if mate.work_unit_id in by_id]
+    for mate in kept:
+        mate.work_unit = by_id[mate.work_unit_id]
+    return kept
+
+
+def _judge_mate(result: Result) -> list[Result]:
+    """A batch mate: as the first result, except that a failure of the server's own while judging it (its
+    blob unreadable) leaves it pending for its own task to retry, instead of failing the whole batch."""
+    try:
+        with transaction.atomic():
+            return _judge_or_invalidate(result)
+    except INFRASTRUCTURE_ERRORS as exc:
+        logger.warning("result %s left for its own validation: %s", result.pk, type(exc).__name__)
+        return []
 
 
 def _judge_or_invalidate(result: Result) -> list[Result]:

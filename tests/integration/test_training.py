@@ -116,7 +116,7 @@ def test_a_round_closes_only_once_every_result_it_received_is_judged(
 
     assert not training.round_ready(project_id=mlp_project.pk)
     assert training.rounds_close_expired() == [] and training.project_step(project_id=mlp_project.pk) is None
-    assert tasks.validate_result(flipped.pk) == "invalid"  # the queued message is delivered
+    assert tasks.validate_result(flipped.pk) == 1  # the queued message is delivered: decided
 
     judged = Result.objects.get(pk=flipped.pk)
     assert (judged.status, judged.validation, judged.aggregated) == ("received", "invalid", False)
@@ -186,7 +186,7 @@ def test_a_result_arriving_while_the_step_decides_is_waited_for(
         for thread in threads:
             thread.join(60)
     assert errors == [] and steps == [None]  # not closed under the arriving result
-    assert tasks.validate_result(arriving.pk) == "valid"  # the queued message is delivered
+    assert tasks.validate_result(arriving.pk) == 1  # the queued message is delivered: decided
     version = mlp_project.current_version()
     assert (version.number, version.samples) == (1, 100)
 

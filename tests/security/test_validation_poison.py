@@ -102,7 +102,16 @@ def test_a_result_that_cannot_be_validated_is_given_up_and_the_round_closes(
 ) -> None:
     stuck = assign(other_volunteer)
     assert receive(other_volunteer, stuck).status == "pending"
-    monkeypatch.undo()  # the database is back, but only for newer results
+    monkeypatch.undo()  # the database is back, but only for newer results: the stuck one's blob stays
+    # unreadable, so the batch of the next result (which takes it along) leaves it pending (_judge_mate)
+    own_problem = validation._own_problem
+
+    def unreadable(result: Result) -> tuple[str | None, object]:
+        if result.pk == stuck.pk:
+            raise OperationalError("server closed the connection unexpectedly")
+        return own_problem(result)
+
+    monkeypatch.setattr(validation, "_own_problem", unreadable)
     assert receive(volunteer_user, assign(volunteer_user)).status == "valid"
     _round_expired(mlp_project)
     assert training.rounds_close_expired() == []  # the round waits for a recent result's verdict
