@@ -439,8 +439,11 @@ def test_one_validation_decides_every_result_waiting_in_its_project_and_credits_
         assert [tasks.validate_result(r.pk) for r in results] == [0] * 6
     assert all(judged(r).is_valid for r in results)
     assert CreditEntry.objects.count() == 6
-    assert list(Volunteer.objects.filter(user__username__startswith="batch-").values_list(
-        "results_accepted", "consecutive_valid").distinct()) == [(1, 1)]
+    assert list(
+        Volunteer.objects.filter(user__username__startswith="batch-")
+        .values_list("results_accepted", "consecutive_valid")
+        .distinct()
+    ) == [(1, 1)]
 
 
 def test_a_result_whose_validation_raises_condemns_only_itself_in_a_batch(
