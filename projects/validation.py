@@ -35,7 +35,10 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Mapping
+from collections import Counter
+from collections.abc import Callable, Mapping
+from contextvars import ContextVar
+from dataclasses import dataclass, field
 from statistics import median
 
 import kombu.exceptions
@@ -54,8 +57,8 @@ from projects.datasets import shard_load
 from projects.lifecycle import result_invalidate, result_reject, results_abandon, results_awaiting_quorum
 from projects.models import ModelVersion, Project, Result, WorkUnit
 from projects.services import project_graph, version_wire_weights
-from workers.models import Device, Volunteer
-from workers.services import credit_grant, credit_lock, volunteer_ensure
+from workers.models import Volunteer
+from workers.services import Grant, credit_lock, credits_grant, volunteer_ensure
 
 Tensors = Mapping[str, torch.Tensor]  # decoded tensors, or a codecs.Packed blob that decodes on access
 logger = logging.getLogger(__name__)
@@ -123,10 +126,64 @@ def results_validate(*, result_id: int, limit: int = BATCH_SIZE) -> list[int]:
         # Every volunteer's row of the batch (in id order), then their teams', before any verdict: verdicts
         # lock them one by one, and two batches doing so in crossing orders would deadlock.
         credit_lock(user_ids=[r.volunteer_id for r in [first, *mates]])
-        decided = _judge_or_invalidate(first)
+        batch = Verdicts()
+        decided = _staged(batch, first, _judge_or_invalidate)
         for mate in mates:
-            decided += _judge_mate(mate)
+            decided += _staged(batch, mate, _judge_mate)
+        batch.write()
     return [r.pk for r in decided]
+
+
+@dataclass
+class Verdicts:
+    """What a batch's valid verdicts add to rows many of them share, written once at its end (write): the
+    credit (ledger, totals, devices' speed) and each round's valid samples (training.round_ready's counter).
+    The rest of a verdict (the result's row, its work unit's, trust) is written as it is judged."""
+
+    grants: list[Grant] = field(default_factory=list)
+    samples: Counter[int] = field(default_factory=Counter)  # by model version id
+
+    def add(self, other: Verdicts) -> None:
+        self.grants += other.grants
+        self.samples.update(other.samples)
+
+    def write(self) -> None:
+        credits_grant(grants=self.grants)
+        # Last: the version's row is one every validation of the round writes; held only until the commit.
+        for version_id, samples in sorted(self.samples.items()):
+            ModelVersion.objects.filter(pk=version_id).update(valid_samples=F("valid_samples") + samples)
+
+
+# The verdicts of the result being judged in results_validate's batch (staged by _validate and _settle).
+_verdicts: ContextVar[Verdicts | None] = ContextVar("verdicts", default=None)
+
+
+def _staged(batch: Verdicts, result: Result, judge: Callable[[Result], list[Result]]) -> list[Result]:
+    """Judge one result of a batch, its verdict's shared writes staged; kept only if its judgement stood
+    (a judgement that raised was rolled back to its savepoint: see _staged_drop)."""
+    staged = Verdicts()
+    token = _verdicts.set(staged)
+    try:
+        decided = judge(result)
+    finally:
+        _verdicts.reset(token)
+    batch.add(staged)
+    return decided
+
+
+def _verdicts_staging() -> Verdicts:
+    staged = _verdicts.get()
+    if staged is None:
+        raise RuntimeError("verdicts are staged only inside results_validate's batch")
+    return staged
+
+
+def _staged_drop() -> None:
+    """The judgement being staged was rolled back: what it staged goes with it."""
+    staged = _verdicts.get()
+    if staged is not None:
+        staged.grants.clear()
+        staged.samples.clear()
 
 
 def _locked_pending(*, result_id: int) -> Result | None:
@@ -167,7 +224,12 @@ def _batch_mates(*, first: Result, limit: int) -> list[Result]:
     candidates = locked.filter(
         work_unit__project_id=project.pk, work_unit__min_quorum=1, work_unit__stage_kind="", **_PENDING
     ).exclude(pk=first.pk)
-    mates = list(candidates.select_related("blob", "volunteer").order_by("pk")[:limit])
+    # In the order of the validation queue's partial index (result_awaiting_validation), its work units'
+    # (oldest first): ordered by the result's key, PostgreSQL walked the primary key from the first result
+    # ever received to the pending few (48% of the database's active time at 64 volunteers).
+    mates = list(
+        candidates.select_related("blob", "volunteer").order_by("work_unit_id", "received_at")[:limit]
+    )
     units = _for_judging(WorkUnit.objects.select_for_update(of=("self",), no_key=True, skip_locked=True))
     wanted = {mate.work_unit_id for mate in mates} - {first.work_unit_id}
     by_id = {unit.pk: unit for unit in units.filter(pk__in=wanted)}
@@ -185,6 +247,7 @@ def _judge_mate(result: Result) -> list[Result]:
         with transaction.atomic():
             return _judge_or_invalidate(result)
     except INFRASTRUCTURE_ERRORS as exc:
+        _staged_drop()
         logger.warning("result %s left for its own validation: %s", result.pk, type(exc).__name__)
         return []
 
@@ -197,8 +260,10 @@ def _judge_or_invalidate(result: Result) -> list[Result]:
         with transaction.atomic():  # a savepoint: nothing a failed judgement did half-way is kept
             return _judge(result)
     except INFRASTRUCTURE_ERRORS:
+        _staged_drop()
         raise
     except Exception as exc:
+        _staged_drop()
         logger.warning("result %s could not be validated: %s", result.pk, type(exc).__name__)
         result = _relocked(result_id=result.pk)
         result_invalidate(result=result, reason=f"could not be validated: {type(exc).__name__}")
@@ -635,27 +700,18 @@ def _validate(*, result: Result) -> None:
     result.validation = Result.Validation.VALID
     result.save(update_fields=["validation", "update_norm", "spot_checked", "checked"])
     flops = stages.unit_flops(work_unit=result.work_unit)
-    credit_grant(user=result.volunteer, result=result, flops=flops)
+    _verdicts_staging().grants.append(Grant(result=result, flops=flops))
+    # Trust at once: the batch's next result of this volunteer is judged with it (and an invalid one
+    # after it resets it, in that order).
     Volunteer.objects.filter(user_id=result.volunteer_id).update(
         consecutive_valid=F("consecutive_valid") + 1, consecutive_invalid=0
     )
-    _observe_device(result=result, flops=flops)
 
 
 def _settle(*, work_unit: WorkUnit, canonical: Result) -> None:
     """The work unit is done; `canonical` is the one result of it that training aggregates."""
     work_unit.status, work_unit.canonical_result = WorkUnit.Status.VALIDATED, canonical
     work_unit.save(update_fields=["status", "canonical_result"])
-    # Counted in the verdict's transaction, so round_ready reads one row; last, so that the version's row
-    # is held only until the commit that follows (every validation of the round writes it).
-    ModelVersion.objects.filter(pk=work_unit.version_id).update(
-        valid_samples=F("valid_samples") + canonical.samples
-    )
-
-
-def _observe_device(*, result: Result, flops: int) -> None:
-    if result.device_id is None:
-        return
-    device = Device.objects.select_for_update(no_key=True).get(pk=result.device_id)
-    device.observe(flops=flops, compute_ms=result.compute_ms)
-    device.save(update_fields=["observed_gflops", "compute_ms"])
+    # Counted in the verdicts' transaction, so round_ready reads one row: once for all the batch's verdicts,
+    # at its end (Verdicts.write).
+    _verdicts_staging().samples[work_unit.version_id] += canonical.samples

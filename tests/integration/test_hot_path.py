@@ -306,11 +306,16 @@ def test_hot_queries_use_indexes_on_tables_never_analyzed(
         training._awaiting_validation(current)
         list(training._pending(project=mlp_project, current=current))
         training._hold_arrivals(project=mlp_project, current=current)
+    with CaptureQueriesContext(connection) as batch:
+        validation._batch_mates(first=result, limit=31)
     plans = _plans(captured.captured_queries)
     assert len(plans) >= 5
     for sql, plan in plans:
         assert "Seq Scan on projects_result" not in plan, f"{sql}\n{plan}"
         assert "Seq Scan on projects_workunit" not in plan, f"{sql}\n{plan}"
+    # The batch's query reads the validation queue's index, not every result ever received by key.
+    [(sql, plan)] = [(sql, plan) for sql, plan in _plans(batch.captured_queries) if "projects_result" in sql]
+    assert "result_awaiting_validation" in plan and "projects_result_pkey" not in plan, f"{sql}\n{plan}"
 
 
 # --- no deadlocks ----------------------------------------------------------------------------------------
