@@ -155,8 +155,9 @@ def _project_rows(
 ) -> tuple[dict[tuple[int, int], VolunteerProjectCredit], dict[tuple[int, int], TeamProjectCredit]]:
     """The per-project rows the grants write, created if missing (as credit_grant's get_or_create) and
     locked; keyed by (volunteer or team id, project id). Their owners' locks (held) serialise them."""
-    pairs = {(volunteers[g.result.volunteer_id].pk, _project_of(g)) for g in grants}
-    team_pairs = {(volunteers[v].team_id, p) for v, p in pairs if volunteers[v].team_id} if teams else set()
+    owners = [(volunteers[g.result.volunteer_id], _project_of(g)) for g in grants]
+    pairs = {(volunteer.pk, project_id) for volunteer, project_id in owners}
+    team_pairs = {(v.team_id, project_id) for v, project_id in owners if v.team_id is not None}
     VolunteerProjectCredit.objects.bulk_create(
         [VolunteerProjectCredit(volunteer_id=v, project_id=p, since=now) for v, p in pairs],
         ignore_conflicts=True,
