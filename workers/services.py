@@ -15,7 +15,6 @@ from projects.swarms import stage_members_leave
 from workers.models import (
     CreditEntry,
     Device,
-    RecentCredit,
     Team,
     TeamProjectCredit,
     Volunteer,
@@ -84,22 +83,26 @@ def credits_grant(*, grants: list[Grant]) -> None:
     now = timezone.now()
     volunteers = _locked_volunteers(user_ids={g.result.volunteer_id for g in grants})
     teams = _locked_teams(team_ids={v.team_id for v in volunteers.values() if v.team_id})
-    devices = _locked_devices(device_ids={g.result.device_id for g in grants} - {None})
+    devices = _locked_devices(device_ids={g.result.device_id for g in grants if g.result.device_id})
     mine, ours = _project_rows(grants=grants, volunteers=volunteers, teams=teams, now=now)
     entries = []
     for grant in grants:
         volunteer = volunteers[grant.result.volunteer_id]
         team = teams.get(volunteer.team_id) if volunteer.team_id else None
+        device = devices.get(grant.result.device_id or 0)
         entries.append(_entry(grant=grant, volunteer=volunteer, team=team))
-        rows = [volunteer, team, devices.get(grant.result.device_id or 0)]
-        rows += [
-            mine[volunteer.pk, _project_of(grant)],
-            ours.get((volunteer.team_id or 0, _project_of(grant))),
+        project_id = _project_of(grant)
+        rows = [
+            volunteer,
+            team,
+            device,
+            mine[volunteer.pk, project_id],
+            ours.get((team.pk if team else 0, project_id)),
         ]
         _add_everywhere(rows=rows, flops=grant.flops, now=now)
-        _observe(device=devices.get(grant.result.device_id or 0), grant=grant)
+        _observe(device=device, grant=grant)
         volunteer.results_accepted += 1
-        mine[volunteer.pk, _project_of(grant)].results += 1
+        mine[volunteer.pk, project_id].results += 1
     CreditEntry.objects.bulk_create(entries)
     _write_totals(volunteers=volunteers, teams=teams, devices=devices, mine=mine, ours=ours)
 
@@ -121,7 +124,10 @@ def _observe(*, device: Device | None, grant: Grant) -> None:
         device.observe(flops=grant.flops, compute_ms=grant.result.compute_ms)
 
 
-def _add_everywhere(*, rows: list[RecentCredit | None], flops: int, now: datetime) -> None:
+Credited = Volunteer | Team | Device | VolunteerProjectCredit | TeamProjectCredit
+
+
+def _add_everywhere(*, rows: list[Credited | None], flops: int, now: datetime) -> None:
     for row in rows:
         if row is not None:
             row.add_credit(flops=flops, now=now)
@@ -211,7 +217,7 @@ def _locked_team(*, team_id: int | None) -> Team | None:
 
 
 def _credit_add(
-    row: Volunteer | Team | Device | VolunteerProjectCredit | TeamProjectCredit,
+    row: Credited,
     *,
     flops: int,
     now: datetime,
