@@ -503,18 +503,22 @@ def _result_for(*, user: User, work_unit_id: int) -> Result:
     raise ResultError("unknown_work_unit", f"There is no work unit {work_unit_id}.")
 
 
-def result_outcome(*, result: Result) -> ResultOutcome:
+def result_outcome(*, result: Result, total_flops: int | None = None) -> ResultOutcome:
+    """`total_flops`: the volunteer's credit total, if the caller read it already (else read here)."""
     credit = getattr(result, "credit", None)
+    if total_flops is None:
+        total_flops = _totals(user_ids=[result.volunteer_id]).get(result.volunteer_id, 0)
     return ResultOutcome(
         work_unit_id=result.work_unit_id,
         status=_outcome_status(result),
         reason=result.reason,
         credit_flops=credit.flops if credit else 0,
-        total_credit_flops=Volunteer.objects.filter(user_id=result.volunteer_id)
-        .values_list("total_flops", flat=True)
-        .first()
-        or 0,
+        total_credit_flops=total_flops,
     )
+
+
+def _totals(*, user_ids: list[int]) -> dict[int, int]:
+    return dict(Volunteer.objects.filter(user_id__in=user_ids).values_list("user_id", "total_flops"))
 
 
 def _outcome_status(result: Result) -> str:
@@ -527,8 +531,11 @@ def results_announce(*, result_ids: list[int]) -> None:
     """Tell each volunteer how its result was judged, once the verdict committed; an invalid result's slice
     is wanted again, so every volunteer hears of work."""
     invalid = False
-    for result in Result.objects.filter(pk__in=result_ids).select_related("credit").order_by("pk"):
-        outcome = result_outcome(result=result)
+    results = list(Result.objects.filter(pk__in=result_ids).select_related("credit").order_by("pk"))
+    # One query for every volunteer's total: a validation batch announces dozens of verdicts at once.
+    totals = _totals(user_ids=[result.volunteer_id for result in results])
+    for result in results:
+        outcome = result_outcome(result=result, total_flops=totals.get(result.volunteer_id, 0))
         notify.result_decided(
             user_id=result.volunteer_id,
             work_unit_id=outcome.work_unit_id,

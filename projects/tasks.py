@@ -61,12 +61,14 @@ def transition() -> int:
     retry_backoff_max=30,
     retry_jitter=True,
 )
-def validate_result(result_id: int) -> str:
-    result, decided = validation.result_validate(result_id=result_id)
+def validate_result(result_id: int) -> int:
+    """Decides the result and the batch of its project's results waiting with it (validation.py); the
+    tasks of those others then find them decided and return at once. Returns how many were decided."""
+    decided = validation.results_validate(result_id=result_id)
     # Announced here, once its transaction committed, not through notify.results_decided's task: the verdict
-    # completing a round queues the step with no extra trip through the queue.
+    # completing a round queues the step with no extra trip through the queue (one round_ready a batch).
     training.results_decided(result_ids=decided)
-    return str(result.validation)
+    return len(decided)
 
 
 @shared_task

@@ -35,14 +35,17 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Mapping
+from collections import Counter
+from collections.abc import Callable, Mapping
+from contextvars import ContextVar
+from dataclasses import dataclass, field
 from statistics import median
 
 import kombu.exceptions
 import redis.exceptions
 import torch
 from django.db import InterfaceError, OperationalError, transaction
-from django.db.models import F
+from django.db.models import F, QuerySet
 
 from engine import codecs
 from engine.aggregate import check_update
@@ -54,8 +57,8 @@ from projects.datasets import shard_load
 from projects.lifecycle import result_invalidate, result_reject, results_abandon, results_awaiting_quorum
 from projects.models import ModelVersion, Project, Result, WorkUnit
 from projects.services import project_graph, version_wire_weights
-from workers.models import Device, Volunteer
-from workers.services import credit_grant, credit_lock, volunteer_ensure
+from workers.models import Volunteer
+from workers.services import Grant, credit_lock, credits_grant, volunteer_ensure
 
 Tensors = Mapping[str, torch.Tensor]  # decoded tensors, or a codecs.Packed blob that decodes on access
 logger = logging.getLogger(__name__)
@@ -102,31 +105,151 @@ REPLICA_REFERENCE = "another volunteer's result for the same work unit"
 CANONICAL_REFERENCE = "the accepted result of this work unit"
 
 
-def result_validate(*, result_id: int) -> tuple[Result, list[int]]:
+# Results one validation decides in one transaction (issue 15): the validator used to take one task and
+# three transactions per result, each committing (an fsync) and each verdict asking round_ready again. A
+# batch is what waits when its task runs, so it grows with the backlog and costs nothing when there is none.
+BATCH_SIZE = 32
+
+
+def results_validate(*, result_id: int, limit: int = BATCH_SIZE) -> list[int]:
     """Decide a received result: valid (credited, may be aggregated) or invalid (its slice is resent); in
-    a replicated work unit, pending until a quorum of results is in, which then decides them all. Returns
-    the result and the ids of every result decided, for the caller to announce once this commits
-    (training.results_decided): late results get their verdict too, so no volunteer waits for an answer that
-    never comes."""
+    a replicated work unit, pending until a quorum of results is in, which then decides them all. With it,
+    up to `limit - 1` other results of its project waiting for validation (batch_mates), each judged in
+    isolation (a savepoint each: one that raises condemns only itself), all in one transaction. Returns the
+    ids of every result decided, for the caller to announce once this commits (training.results_decided):
+    late results get their verdict too, so no volunteer waits for an answer that never comes."""
     with transaction.atomic():
-        # The work unit before its results: a quorum decides several results at once, and the work unit's
-        # lock serialises them; lifecycle.py takes locks in the same order. Only the work unit's row: locking
-        # the joined project too (as this once did) made a project's validations, recomputations included,
-        # run one at a time however many workers there were.
-        work_unit_id = Result.objects.values_list("work_unit_id", flat=True).get(pk=result_id)
-        work_unit = (
-            WorkUnit.objects.select_for_update(of=("self",), no_key=True)
-            .select_related("project", "version", "shard__blob", "reference")
-            .get(pk=work_unit_id)
-        )
-        locked = Result.objects.select_for_update(of=("self",), no_key=True)
-        # Its volunteer too: trust, credit and verdicts read the user, one query fewer per result.
-        result = locked.select_related("blob", "volunteer").get(pk=result_id)
-        if result.status != Result.Status.RECEIVED or result.validation != Result.Validation.PENDING:
-            return result, []
+        first = _locked_pending(result_id=result_id)
+        if first is None:
+            return []  # decided already (by another task's batch, or a retry of this one)
+        mates = _batch_mates(first=first, limit=limit - 1)
+        # Every volunteer's row of the batch (in id order), then their teams', before any verdict: verdicts
+        # lock them one by one, and two batches doing so in crossing orders would deadlock.
+        credit_lock(user_ids=[r.volunteer_id for r in [first, *mates]])
+        batch = Verdicts()
+        decided = _staged(batch, first, _judge_or_invalidate)
+        for mate in mates:
+            decided += _staged(batch, mate, _judge_mate)
+        batch.write()
+    return [r.pk for r in decided]
+
+
+@dataclass
+class Verdicts:
+    """What a batch's valid verdicts add to rows many of them share, written once at its end (write): the
+    credit (ledger, totals, devices' speed) and each round's valid samples (training.round_ready's counter).
+    The rest of a verdict (the result's row, its work unit's, trust) is written as it is judged."""
+
+    grants: list[Grant] = field(default_factory=list)
+    samples: Counter[int] = field(default_factory=Counter)  # by model version id
+
+    def add(self, other: Verdicts) -> None:
+        self.grants += other.grants
+        self.samples.update(other.samples)
+
+    def write(self) -> None:
+        credits_grant(grants=self.grants)
+        # Last: the version's row is one every validation of the round writes; held only until the commit.
+        for version_id, samples in sorted(self.samples.items()):
+            ModelVersion.objects.filter(pk=version_id).update(valid_samples=F("valid_samples") + samples)
+
+
+# The verdicts of the result being judged in results_validate's batch (staged by _validate and _settle).
+_verdicts: ContextVar[Verdicts | None] = ContextVar("verdicts", default=None)
+
+
+def _staged(batch: Verdicts, result: Result, judge: Callable[[Result], list[Result]]) -> list[Result]:
+    """Judge one result of a batch, its verdict's shared writes staged; kept only if its judgement stood
+    (a judgement that raised was rolled back to its savepoint: see _staged_drop)."""
+    staged = Verdicts()
+    token = _verdicts.set(staged)
+    try:
+        decided = judge(result)
+    finally:
+        _verdicts.reset(token)
+    batch.add(staged)
+    return decided
+
+
+def _verdicts_staging() -> Verdicts:
+    staged = _verdicts.get()
+    if staged is None:
+        raise RuntimeError("verdicts are staged only inside results_validate's batch")
+    return staged
+
+
+def _staged_drop() -> None:
+    """The judgement being staged was rolled back: what it staged goes with it."""
+    staged = _verdicts.get()
+    if staged is not None:
+        staged.grants.clear()
+        staged.samples.clear()
+
+
+def _locked_pending(*, result_id: int) -> Result | None:
+    """The result, locked after its work unit, if it still waits for its verdict."""
+    # The work unit before its results: a quorum decides several results at once, and the work unit's
+    # lock serialises them; lifecycle.py takes locks in the same order. Only the work unit's row: locking
+    # the joined project too (as this once did) made a project's validations, recomputations included,
+    # run one at a time however many workers there were.
+    row = Result.objects.filter(pk=result_id, **_PENDING).values_list("work_unit_id", flat=True).first()
+    if row is None:
+        return None
+    work_unit = _for_judging(WorkUnit.objects.select_for_update(of=("self",), no_key=True)).get(pk=row)
+    locked = Result.objects.select_for_update(of=("self",), no_key=True)
+    # Its volunteer too: trust, credit and verdicts read the user, one query fewer per result.
+    result = locked.select_related("blob", "volunteer").filter(pk=result_id, **_PENDING).first()
+    if result is not None:
         result.work_unit = work_unit
-        decided = _judge_or_invalidate(result)
-    return result, [r.pk for r in decided]
+    return result
+
+
+_PENDING = {"status": Result.Status.RECEIVED, "validation": Result.Validation.PENDING, "checked": False}
+
+
+def _for_judging(work_units: QuerySet[WorkUnit]) -> QuerySet[WorkUnit]:
+    return work_units.select_related("project", "version", "shard__blob", "reference")
+
+
+def _batch_mates(*, first: Result, limit: int) -> list[Result]:
+    """Up to `limit` more results of `first`'s project waiting for validation, locked with their work units.
+    Only plain data-parallel units checked by the server: a quorum or a pipeline stage locks rows beyond its
+    own (the other replicas, the ring's peers). Locks never waited for (SKIP LOCKED): a row another
+    transaction holds (another validator, the step cancelling its round) is left to that row's own task,
+    so a batch holding several work units never waits on one and cannot close a cycle."""
+    project = first.work_unit.project
+    if limit < 1 or project.is_pipeline or project.spot_check_by != Project.SpotCheckBy.SERVER:
+        return []
+    locked = Result.objects.select_for_update(of=("self",), no_key=True, skip_locked=True)
+    candidates = locked.filter(
+        work_unit__project_id=project.pk, work_unit__min_quorum=1, work_unit__stage_kind="", **_PENDING
+    ).exclude(pk=first.pk)
+    # In the order of the validation queue's partial index (result_awaiting_validation), its work units'
+    # (oldest first): ordered by the result's key, PostgreSQL walked the primary key from the first result
+    # ever received to the pending few (48% of the database's active time at 64 volunteers).
+    mates = list(
+        candidates.select_related("blob", "volunteer").order_by("work_unit_id", "received_at")[:limit]
+    )
+    units = _for_judging(WorkUnit.objects.select_for_update(of=("self",), no_key=True, skip_locked=True))
+    wanted = {mate.work_unit_id for mate in mates} - {first.work_unit_id}
+    by_id = {unit.pk: unit for unit in units.filter(pk__in=wanted)}
+    by_id[first.work_unit_id] = first.work_unit  # the same object: a verdict on it is seen by the next
+    kept = [mate for mate in mates if mate.work_unit_id in by_id]
+    for mate in kept:
+        mate.work_unit = by_id[mate.work_unit_id]
+    return kept
+
+
+def _judge_mate(result: Result) -> list[Result]:
+    """A batch mate: as the first result, except that a failure of the server's own while judging it (its
+    blob unreadable) leaves it pending for its own task to retry, instead of failing the whole batch."""
+    try:
+        with transaction.atomic():
+            return _judge_or_invalidate(result)
+    except INFRASTRUCTURE_ERRORS as exc:
+        _staged_drop()
+        logger.warning("result %s left for its own validation: %s", result.pk, type(exc).__name__)
+        return []
 
 
 def _judge_or_invalidate(result: Result) -> list[Result]:
@@ -137,8 +260,10 @@ def _judge_or_invalidate(result: Result) -> list[Result]:
         with transaction.atomic():  # a savepoint: nothing a failed judgement did half-way is kept
             return _judge(result)
     except INFRASTRUCTURE_ERRORS:
+        _staged_drop()
         raise
     except Exception as exc:
+        _staged_drop()
         logger.warning("result %s could not be validated: %s", result.pk, type(exc).__name__)
         result = _relocked(result_id=result.pk)
         result_invalidate(result=result, reason=f"could not be validated: {type(exc).__name__}")
@@ -575,27 +700,18 @@ def _validate(*, result: Result) -> None:
     result.validation = Result.Validation.VALID
     result.save(update_fields=["validation", "update_norm", "spot_checked", "checked"])
     flops = stages.unit_flops(work_unit=result.work_unit)
-    credit_grant(user=result.volunteer, result=result, flops=flops)
+    _verdicts_staging().grants.append(Grant(result=result, flops=flops))
+    # Trust at once: the batch's next result of this volunteer is judged with it (and an invalid one
+    # after it resets it, in that order).
     Volunteer.objects.filter(user_id=result.volunteer_id).update(
         consecutive_valid=F("consecutive_valid") + 1, consecutive_invalid=0
     )
-    _observe_device(result=result, flops=flops)
 
 
 def _settle(*, work_unit: WorkUnit, canonical: Result) -> None:
     """The work unit is done; `canonical` is the one result of it that training aggregates."""
     work_unit.status, work_unit.canonical_result = WorkUnit.Status.VALIDATED, canonical
     work_unit.save(update_fields=["status", "canonical_result"])
-    # Counted in the verdict's transaction, so round_ready reads one row; last, so that the version's row
-    # is held only until the commit that follows (every validation of the round writes it).
-    ModelVersion.objects.filter(pk=work_unit.version_id).update(
-        valid_samples=F("valid_samples") + canonical.samples
-    )
-
-
-def _observe_device(*, result: Result, flops: int) -> None:
-    if result.device_id is None:
-        return
-    device = Device.objects.select_for_update(no_key=True).get(pk=result.device_id)
-    device.observe(flops=flops, compute_ms=result.compute_ms)
-    device.save(update_fields=["observed_gflops", "compute_ms"])
+    # Counted in the verdicts' transaction, so round_ready reads one row: once for all the batch's verdicts,
+    # at its end (Verdicts.write).
+    _verdicts_staging().samples[work_unit.version_id] += canonical.samples

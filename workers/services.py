@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import dataclass
 from datetime import datetime
 from typing import TYPE_CHECKING
 
@@ -11,7 +12,14 @@ from django.db import transaction
 from django.utils import timezone
 
 from projects.swarms import stage_members_leave
-from workers.models import CreditEntry, Device, Team, TeamProjectCredit, Volunteer, VolunteerProjectCredit
+from workers.models import (
+    CreditEntry,
+    Device,
+    Team,
+    TeamProjectCredit,
+    Volunteer,
+    VolunteerProjectCredit,
+)
 
 if TYPE_CHECKING:
     from projects.models import Result
@@ -56,6 +64,144 @@ def credit_grant(*, user: User, result: Result, flops: int) -> CreditEntry:
     return entry
 
 
+@dataclass(frozen=True)
+class Grant:
+    """One accepted result's credit, as credit_grant writes it: to be written with others (credits_grant)."""
+
+    result: Result
+    flops: int
+
+
+def credits_grant(*, grants: list[Grant]) -> None:
+    """credit_grant for a batch of results, in bulk, with each device's observed speed (Device.observe, as
+    validation does after a grant): one ledger insert, and each kind of row (volunteers, teams, devices,
+    per-project rows) read once under its lock and written back once, each grant added in order (the recent
+    average is a sequence of updates). Locks in credit_lock's order (volunteers, then teams, each in id
+    order), then devices and the per-project rows, which only their owners' grants write."""
+    if not grants:
+        return
+    now = timezone.now()
+    volunteers = _locked_volunteers(user_ids={g.result.volunteer_id for g in grants})
+    teams = _locked_teams(team_ids={v.team_id for v in volunteers.values() if v.team_id})
+    devices = _locked_devices(device_ids={g.result.device_id for g in grants if g.result.device_id})
+    mine, ours = _project_rows(grants=grants, volunteers=volunteers, teams=teams, now=now)
+    entries = []
+    for grant in grants:
+        volunteer = volunteers[grant.result.volunteer_id]
+        team = teams.get(volunteer.team_id) if volunteer.team_id else None
+        device = devices.get(grant.result.device_id or 0)
+        entries.append(_entry(grant=grant, volunteer=volunteer, team=team))
+        project_id = _project_of(grant)
+        rows = [
+            volunteer,
+            team,
+            device,
+            mine[volunteer.pk, project_id],
+            ours.get((team.pk if team else 0, project_id)),
+        ]
+        _add_everywhere(rows=rows, flops=grant.flops, now=now)
+        _observe(device=device, grant=grant)
+        volunteer.results_accepted += 1
+        mine[volunteer.pk, project_id].results += 1
+    CreditEntry.objects.bulk_create(entries)
+    _write_totals(volunteers=volunteers, teams=teams, devices=devices, mine=mine, ours=ours)
+
+
+def _project_of(grant: Grant) -> int:
+    return grant.result.work_unit.project_id
+
+
+def _entry(*, grant: Grant, volunteer: Volunteer, team: Team | None) -> CreditEntry:
+    result = grant.result
+    project_id = _project_of(grant)
+    return CreditEntry(
+        volunteer=volunteer, project_id=project_id, result=result, team=team, flops=grant.flops
+    )
+
+
+def _observe(*, device: Device | None, grant: Grant) -> None:
+    if device is not None:
+        device.observe(flops=grant.flops, compute_ms=grant.result.compute_ms)
+
+
+Credited = Volunteer | Team | Device | VolunteerProjectCredit | TeamProjectCredit
+
+
+def _add_everywhere(*, rows: list[Credited | None], flops: int, now: datetime) -> None:
+    for row in rows:
+        if row is not None:
+            row.add_credit(flops=flops, now=now)
+
+
+def _locked_volunteers(*, user_ids: set[int]) -> dict[int, Volunteer]:
+    """By user id; rows created for users who have none (as credit_grant's volunteer_ensure)."""
+    locked = Volunteer.objects.select_for_update(no_key=True).filter(user_id__in=user_ids)
+    volunteers = {volunteer.user_id: volunteer for volunteer in locked.order_by("user_id")}
+    if len(volunteers) < len(user_ids):
+        missing = [Volunteer(user_id=user_id) for user_id in user_ids - set(volunteers)]
+        Volunteer.objects.bulk_create(missing, ignore_conflicts=True)
+        return _locked_volunteers(user_ids=user_ids)
+    return volunteers
+
+
+def _locked_teams(*, team_ids: set[int]) -> dict[int, Team]:
+    return {
+        team.pk: team
+        for team in Team.objects.select_for_update(no_key=True).filter(pk__in=team_ids).order_by("pk")
+    }
+
+
+def _locked_devices(*, device_ids: set[int]) -> dict[int, Device]:
+    locked = Device.objects.select_for_update(no_key=True).filter(pk__in=device_ids).order_by("pk")
+    return {device.pk: device for device in locked}
+
+
+def _project_rows(
+    *, grants: list[Grant], volunteers: dict[int, Volunteer], teams: dict[int, Team], now: datetime
+) -> tuple[dict[tuple[int, int], VolunteerProjectCredit], dict[tuple[int, int], TeamProjectCredit]]:
+    """The per-project rows the grants write, created if missing (as credit_grant's get_or_create) and
+    locked; keyed by (volunteer or team id, project id). Their owners' locks (held) serialise them."""
+    owners = [(volunteers[g.result.volunteer_id], _project_of(g)) for g in grants]
+    pairs = {(volunteer.pk, project_id) for volunteer, project_id in owners}
+    team_pairs = {(v.team_id, project_id) for v, project_id in owners if v.team_id is not None}
+    VolunteerProjectCredit.objects.bulk_create(
+        [VolunteerProjectCredit(volunteer_id=v, project_id=p, since=now) for v, p in pairs],
+        ignore_conflicts=True,
+    )
+    TeamProjectCredit.objects.bulk_create(
+        [TeamProjectCredit(team_id=t, project_id=p) for t, p in team_pairs], ignore_conflicts=True
+    )
+    mine = VolunteerProjectCredit.objects.select_for_update(no_key=True).filter(
+        volunteer_id__in={v for v, _ in pairs}, project_id__in={p for _, p in pairs}
+    )
+    ours = TeamProjectCredit.objects.select_for_update(no_key=True).filter(
+        team_id__in={t for t, _ in team_pairs}, project_id__in={p for _, p in team_pairs}
+    )
+    return (
+        {(row.volunteer_id, row.project_id): row for row in mine.order_by("pk")},
+        {(row.team_id, row.project_id): row for row in ours.order_by("pk")} if team_pairs else {},
+    )
+
+
+def _write_totals(
+    *,
+    volunteers: dict[int, Volunteer],
+    teams: dict[int, Team],
+    devices: dict[int, Device],
+    mine: dict[tuple[int, int], VolunteerProjectCredit],
+    ours: dict[tuple[int, int], TeamProjectCredit],
+) -> None:
+    fields = list(Volunteer.CREDIT_FIELDS)
+    Volunteer.objects.bulk_update(list(volunteers.values()), [*fields, "results_accepted"])
+    VolunteerProjectCredit.objects.bulk_update(list(mine.values()), [*fields, "results"])
+    if teams:
+        Team.objects.bulk_update(list(teams.values()), fields)
+    if devices:
+        Device.objects.bulk_update(list(devices.values()), [*fields, "observed_gflops", "compute_ms"])
+    if ours:
+        TeamProjectCredit.objects.bulk_update(list(ours.values()), fields)
+
+
 def credit_lock(*, user_ids: Iterable[int]) -> None:
     """Inside the caller's transaction, before it credits several volunteers: lock all their rows (in user
     id order), then their teams' (in id order). credit_grant locks a volunteer and then the team; without
@@ -71,7 +217,7 @@ def _locked_team(*, team_id: int | None) -> Team | None:
 
 
 def _credit_add(
-    row: Volunteer | Team | Device | VolunteerProjectCredit | TeamProjectCredit,
+    row: Credited,
     *,
     flops: int,
     now: datetime,

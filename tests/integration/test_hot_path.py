@@ -83,6 +83,21 @@ def test_round_ready_costs_the_same_with_10_or_300_pending_results(mlp_project: 
     assert large[1] == small[1] <= 2
 
 
+def test_announcing_a_batch_of_verdicts_costs_the_queries_of_announcing_two(mlp_project: Project) -> None:
+    """A validation batch announces its verdicts together (tasks.validate_result): each one's volunteer
+    total was a query of its own."""
+    Project.objects.filter(pk=mlp_project.pk).update(round_samples=10_000)
+    _pending_round(mlp_project, results=12)
+    ids = list(Result.objects.order_by("pk").values_list("pk", flat=True))
+
+    def cost(result_ids: list[int]) -> int:
+        with CaptureQueriesContext(connection) as queries:
+            training.results_decided(result_ids=result_ids)
+        return len(queries)
+
+    assert cost(ids[:2]) == cost(ids) <= 7
+
+
 @pytest.mark.django_db(transaction=True)
 def test_a_verdict_counts_its_samples_on_the_round_and_round_ready_agrees_with_the_step(
     mlp_project: Project, volunteer_user: User, other_volunteer: User
@@ -291,11 +306,16 @@ def test_hot_queries_use_indexes_on_tables_never_analyzed(
         training._awaiting_validation(current)
         list(training._pending(project=mlp_project, current=current))
         training._hold_arrivals(project=mlp_project, current=current)
+    with CaptureQueriesContext(connection) as batch:
+        validation._batch_mates(first=result, limit=31)
     plans = _plans(captured.captured_queries)
     assert len(plans) >= 5
     for sql, plan in plans:
         assert "Seq Scan on projects_result" not in plan, f"{sql}\n{plan}"
         assert "Seq Scan on projects_workunit" not in plan, f"{sql}\n{plan}"
+    # The batch's query reads the validation queue's index, not every result ever received by key.
+    [(sql, plan)] = [(sql, plan) for sql, plan in _plans(batch.captured_queries) if "projects_result" in sql]
+    assert "result_awaiting_validation" in plan and "projects_result_pkey" not in plan, f"{sql}\n{plan}"
 
 
 # --- no deadlocks ----------------------------------------------------------------------------------------

@@ -102,12 +102,13 @@ def test_a_round_closes_only_once_every_result_it_received_is_judged(
 ) -> None:
     """A result that arrived while its round was open gets a verdict on its merits (here: invalid), never
     `late` because another worker closed the round first; the round waits for it, then closes."""
-    flipped = assign(other_volunteer)
-    # Its validation message still sits in the broker's queue, as under load.
+    flipped, honest = assign(other_volunteer), assign(volunteer_user)
+    assert receive(volunteer_user, honest).status == "valid"
+    # Its validation message still sits in the broker's queue, as under load (after the other's: a
+    # validation takes its project's waiting results along, validation.results_validate).
     with mock.patch("projects.notify.result_received"):
         outcome = receive(other_volunteer, flipped, payload=tampered(flipped.work_unit, "sign_flip"))
     assert outcome.status == "pending"
-    assert receive(volunteer_user, assign(volunteer_user)).status == "valid"
     if closes_by == "target":
         Project.objects.filter(pk=mlp_project.pk).update(round_samples=50)
     else:
@@ -116,7 +117,7 @@ def test_a_round_closes_only_once_every_result_it_received_is_judged(
 
     assert not training.round_ready(project_id=mlp_project.pk)
     assert training.rounds_close_expired() == [] and training.project_step(project_id=mlp_project.pk) is None
-    assert tasks.validate_result(flipped.pk) == "invalid"  # the queued message is delivered
+    assert tasks.validate_result(flipped.pk) == 1  # the queued message is delivered: decided
 
     judged = Result.objects.get(pk=flipped.pk)
     assert (judged.status, judged.validation, judged.aggregated) == ("received", "invalid", False)
@@ -186,7 +187,7 @@ def test_a_result_arriving_while_the_step_decides_is_waited_for(
         for thread in threads:
             thread.join(60)
     assert errors == [] and steps == [None]  # not closed under the arriving result
-    assert tasks.validate_result(arriving.pk) == "valid"  # the queued message is delivered
+    assert tasks.validate_result(arriving.pk) == 1  # the queued message is delivered: decided
     version = mlp_project.current_version()
     assert (version.number, version.samples) == (1, 100)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import threading
 from typing import Any
+from unittest import mock
 
 import pytest
 import torch
@@ -13,7 +14,7 @@ from django.db import connection, transaction
 from safetensors.torch import save as st_save
 
 from engine import codecs
-from projects import lifecycle, validation
+from projects import lifecycle, tasks, training, validation
 from projects.blobs import blob_put
 from projects.models import Project, Result, WorkUnit
 from projects.validation import recompute
@@ -195,7 +196,7 @@ def test_a_spot_check_does_not_lock_the_project(
 
     def validate() -> None:
         try:
-            validation.result_validate(result_id=result.pk)
+            validation.results_validate(result_id=result.pk)
         finally:
             connection.close()
 
@@ -409,3 +410,105 @@ def test_a_small_unit_after_a_large_one_passes_with_the_residual_it_carries(
 
 def _flat_norm(tensors: Any) -> float:
     return math.sqrt(sum(float((t.double() ** 2).sum()) for t in tensors.values()))
+
+
+# --- batches: one task decides every result waiting in its project ------------------------------------
+
+
+def _waiting(project: Project, count: int) -> list[Result]:
+    """`count` results of as many volunteers, received while the validator was away (messages queued)."""
+    Project.objects.filter(pk=project.pk).update(batch_size=10, round_samples=10 * count + 10)
+    WorkUnit.objects.filter(project=project).delete()
+    lifecycle.work_units_feed(project_id=project.pk)
+    users = [User.objects.create_user(f"batch-{i}") for i in range(count)]
+    results = [assign(user) for user in users]
+    with mock.patch("projects.notify.result_received"):
+        assert all(receive(user, r).status == "pending" for user, r in zip(users, results, strict=True))
+    return results
+
+
+def test_one_validation_decides_every_result_waiting_in_its_project_and_credits_each_once(
+    mlp_project: Project,
+) -> None:
+    """Was one task, three transactions and one round_ready per result (issue 15): now the first task takes
+    the project's waiting results along, and the others' tasks (or a retry) find them decided."""
+    results = _waiting(mlp_project, 6)
+    with mock.patch.object(training, "round_ready", wraps=training.round_ready) as ready:
+        assert tasks.validate_result(results[3].pk) == 6
+        assert ready.call_count == 1  # once a batch, not once a verdict
+        assert [tasks.validate_result(r.pk) for r in results] == [0] * 6
+    assert all(judged(r).is_valid for r in results)
+    assert CreditEntry.objects.count() == 6
+    assert list(
+        Volunteer.objects.filter(user__username__startswith="batch-")
+        .values_list("results_accepted", "consecutive_valid")
+        .distinct()
+    ) == [(1, 1)]
+
+
+def test_a_result_whose_validation_raises_condemns_only_itself_in_a_batch(
+    mlp_project: Project, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    results = _waiting(mlp_project, 5)
+    own_problem = validation._own_problem
+
+    def crafted(result: Result) -> tuple[str | None, Any]:
+        if result.pk == results[2].pk:
+            raise RecursionError("a header nested 100,000 deep")
+        return own_problem(result)
+
+    monkeypatch.setattr(validation, "_own_problem", crafted)
+    assert tasks.validate_result(results[0].pk) == 5
+    verdicts = [judged(r) for r in results]
+    assert [r.validation for r in verdicts] == ["valid", "valid", "invalid", "valid", "valid"]
+    assert verdicts[2].reason == "could not be validated: RecursionError"
+    assert CreditEntry.objects.count() == 4
+
+
+def test_a_batch_mate_the_server_cannot_read_is_left_to_its_own_task(
+    mlp_project: Project, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A failure of the server's own (its blob unreadable) is retried, never a verdict: in a batch it must
+    not hold back the others either."""
+    results = _waiting(mlp_project, 4)
+    own_problem = validation._own_problem
+
+    def unreadable(result: Result) -> tuple[str | None, Any]:
+        if result.pk == results[1].pk:
+            raise OSError("blob file missing")
+        return own_problem(result)
+
+    monkeypatch.setattr(validation, "_own_problem", unreadable)
+    assert tasks.validate_result(results[0].pk) == 3
+    assert [judged(r).validation for r in results] == ["valid", "pending", "valid", "valid"]
+    monkeypatch.undo()
+    assert tasks.validate_result(results[1].pk) == 1 and judged(results[1]).is_valid
+    assert CreditEntry.objects.count() == 4
+
+
+def test_a_batch_skips_results_another_validation_holds(mlp_project: Project) -> None:
+    """Two validators (or the step cancelling a round) never wait on each other's rows: a batch takes only
+    what is free, and what it skipped is decided by its own task, credited once."""
+    results = _waiting(mlp_project, 4)
+    held, release = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        try:
+            with transaction.atomic():
+                WorkUnit.objects.select_for_update().get(pk=results[2].work_unit_id)
+                held.set()
+                release.wait(30)
+        finally:
+            connection.close()
+
+    thread = threading.Thread(target=hold)
+    thread.start()
+    try:
+        assert held.wait(10)
+        assert tasks.validate_result(results[0].pk) == 3
+    finally:
+        release.set()
+        thread.join(10)
+    assert judged(results[2]).validation == "pending"
+    assert tasks.validate_result(results[2].pk) == 1
+    assert all(judged(r).is_valid for r in results) and CreditEntry.objects.count() == 4

@@ -57,12 +57,12 @@ def test_a_deeply_nested_header_is_invalid_and_the_round_still_closes(
     assert mlp_project.current_version().samples == 50
 
 
-@pytest.mark.parametrize("step", ["_own_problem", "_spot_check", "_observe_device", "recompute"])
+@pytest.mark.parametrize("step", ["_own_problem", "_spot_check", "_validate", "recompute"])
 def test_any_exception_while_judging_makes_the_result_invalid(
     mlp_project: Project, volunteer_user: User, monkeypatch: pytest.MonkeyPatch, step: str
 ) -> None:
-    """Whatever part of judging breaks on a hostile result (decoding, shapes, norm, spot check, device
-    speed), the result gets a verdict, and nothing half-done by the failed attempt is kept."""
+    """Whatever part of judging breaks on a hostile result (decoding, shapes, norm, spot check, the
+    verdict), the result gets a verdict, and nothing half-done by the failed attempt is kept."""
 
     def broken(*_: object, **__: object) -> None:
         raise OverflowError("crafted")
@@ -102,7 +102,16 @@ def test_a_result_that_cannot_be_validated_is_given_up_and_the_round_closes(
 ) -> None:
     stuck = assign(other_volunteer)
     assert receive(other_volunteer, stuck).status == "pending"
-    monkeypatch.undo()  # the database is back, but only for newer results
+    monkeypatch.undo()  # the database is back, but only for newer results: the stuck one's blob stays
+    # unreadable, so the batch of the next result (which takes it along) leaves it pending (_judge_mate)
+    own_problem = validation._own_problem
+
+    def unreadable(result: Result) -> tuple[str | None, object]:
+        if result.pk == stuck.pk:
+            raise OperationalError("server closed the connection unexpectedly")
+        return own_problem(result)
+
+    monkeypatch.setattr(validation, "_own_problem", unreadable)
     assert receive(volunteer_user, assign(volunteer_user)).status == "valid"
     _round_expired(mlp_project)
     assert training.rounds_close_expired() == []  # the round waits for a recent result's verdict
@@ -127,10 +136,10 @@ def test_the_round_does_not_wait_for_a_validation_past_the_give_up_bound(
     mlp_project: Project, volunteer_user: User, other_volunteer: User
 ) -> None:
     """Even before the transitioner gives a stuck result up, the round's wait for it is bounded."""
-    stuck = assign(other_volunteer)
-    with mock.patch("projects.notify.result_received"):
+    stuck, honest = assign(other_volunteer), assign(volunteer_user)
+    assert receive(volunteer_user, honest).status == "valid"
+    with mock.patch("projects.notify.result_received"):  # after: a validation takes waiting results along
         receive(other_volunteer, stuck)
-    assert receive(volunteer_user, assign(volunteer_user)).status == "valid"
     _round_expired(mlp_project)
     assert training.rounds_close_expired() == []
     received = timezone.now() - timedelta(seconds=lifecycle.VALIDATION_GIVE_UP_SECONDS + 1)

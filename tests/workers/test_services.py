@@ -17,7 +17,7 @@ from django.db import OperationalError, close_old_connections, connection, trans
 from django.db.models import Sum
 from django.utils import timezone
 
-from projects.models import Project
+from projects.models import Project, Result
 from tests.workers.conftest import accepted_result, days, device_of, grant, user
 from workers.credit import credit_from_flops, update_average
 from workers.models import CreditEntry, Device, Team, TeamProjectCredit, Volunteer, VolunteerProjectCredit
@@ -217,3 +217,62 @@ def test_crediting_several_volunteers_of_one_team_in_crossing_orders_does_not_de
     assert ledger() == 4 * GFLOP
     gained = Team.objects.get(name="Team of a and d").total_flops - before
     assert gained == 2 * GFLOP == ledger(team__name="Team of a and d")
+
+
+def _credit_rows(users: list[User]) -> list[tuple[Any, ...]]:
+    """Every total the grants of `users` wrote (recent averages to 9 digits: grants seconds apart)."""
+    volunteers = Volunteer.objects.filter(user__in=users).order_by("user_id")
+    rows: list[Any] = [*volunteers, *Team.objects.order_by("pk"), *Device.objects.order_by("pk")]
+    rows += [*VolunteerProjectCredit.objects.order_by("volunteer_id", "project_id")]
+    rows += [*TeamProjectCredit.objects.order_by("team_id", "project_id")]
+    return [
+        (row.total_flops, round(row.expavg_credit, 9), getattr(row, "observed_gflops", None)) for row in rows
+    ]
+
+
+def test_a_batchs_bulk_grant_writes_what_the_same_grants_one_by_one_write(
+    mlp_project: Project, second_project: Project, volunteer_user: User, other_volunteer: User
+) -> None:
+    """credits_grant (a validation batch's ledger) against credit_grant and Device.observe per result: one
+    volunteer in a team with two results in one project and one in another on a device, another alone."""
+    from workers.services import Grant, credits_grant
+
+    team_create(user=volunteer_user, name="Batched")
+    device = device_of(volunteer_user)
+    plan = [
+        (mlp_project, volunteer_user, 3),
+        (mlp_project, volunteer_user, 5),
+        (second_project, volunteer_user, 7),
+    ]
+    plan += [(mlp_project, other_volunteer, 11)]
+    results = [
+        accepted_result(project, who, device=device if who == volunteer_user else None)
+        for project, who, _ in plan
+    ]
+    for result in results:
+        Result.objects.filter(pk=result.pk).update(compute_ms=400)
+        result.compute_ms = 400
+    with transaction.atomic():
+        credit_lock(user_ids=[volunteer_user.pk, other_volunteer.pk])
+        credits_grant(
+            grants=[Grant(result=r, flops=gf * GFLOP) for r, (_, _, gf) in zip(results, plan, strict=True)]
+        )
+    bulk = _credit_rows([volunteer_user, other_volunteer])
+    assert ledger() == 26 * GFLOP and CreditEntry.objects.count() == 4
+    assert Volunteer.objects.get(user=volunteer_user).results_accepted == 3
+    assert (
+        VolunteerProjectCredit.objects.get(volunteer__user=volunteer_user, project=mlp_project).results == 2
+    )
+
+    CreditEntry.objects.all().delete()
+    zero = {"total_flops": 0, "expavg_credit": 0.0, "expavg_time": None}
+    for model in (Volunteer, Team, VolunteerProjectCredit, TeamProjectCredit):
+        model.objects.update(**zero)
+    Device.objects.update(**zero, observed_gflops=0.0, compute_ms=0)
+    for result, (_, who, gf) in zip(results, plan, strict=True):
+        credit_grant(user=who, result=result, flops=gf * GFLOP)
+        if result.device_id:
+            one = Device.objects.get(pk=result.device_id)
+            one.observe(flops=gf * GFLOP, compute_ms=400)
+            one.save()
+    assert _credit_rows([volunteer_user, other_volunteer]) == bulk
