@@ -11,11 +11,11 @@ import socket
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import pytest
-from asgiref.sync import async_to_sync
 
 from config import web_server
 from config.management.commands.runplatform import LISTEN_BACKLOG, daphne_listen
@@ -122,9 +122,10 @@ async def checked_connections(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_the_connection_check_visits_only_what_changed(monkeypatch: pytest.MonkeyPatch) -> None:
-    # Not asyncio.run: Playwright's sync API, used by earlier tests in the same process, leaves a loop
-    # running here.
-    async_to_sync(checked_connections)(monkeypatch)
+    # A loop of its own in a thread of its own: earlier tests (Playwright's sync API) can leave a loop
+    # running in this thread, where asyncio.run and async_to_sync both refuse to start.
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        pool.submit(asyncio.run, checked_connections(monkeypatch)).result()
 
 
 def test_start_up_objects_are_frozen_out_of_the_collector(monkeypatch: pytest.MonkeyPatch) -> None:
