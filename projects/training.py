@@ -290,23 +290,16 @@ def _step(*, project: Project, version: ModelVersion, update: Tensors) -> tuple[
     """The server's optimizer step, in place on the current weights and state (copies of this process's
     own, see _owned); `update` is spent. (_step_stored is the same step, tensor by tensor.)"""
     weights, state = _owned(version=version)
-    optim.server_step_(
-        weights,
-        update,
-        state,
-        averaging=project.mode == Project.Mode.AVERAGING,
-        lr=project.learning_rate,
-        momentum=project.momentum,
-        weight_decay=project.weight_decay,
-    )
+    _server_step(project=project, weights=weights, state=state, grads=update)
     return weights, state
 
 
-def _step_one(*, project: Project, weights: Tensors, state: Tensors, name: str, grad: torch.Tensor) -> None:
-    """One tensor's share of the step: the same operations as a step on all of them (bit-exact)."""
+def _server_step(*, project: Project, weights: Tensors, state: Tensors, grads: Tensors) -> None:
+    """The project's optimizer on `grads` (all of the model's tensors or some: per tensor, the same
+    operations, so stepping them one by one is bit-exact with stepping them together)."""
     optim.server_step_(
         weights,
-        {name: grad},
+        grads,
         state,
         averaging=project.mode == Project.Mode.AVERAGING,
         lr=project.learning_rate,
@@ -332,7 +325,9 @@ def _step_stored(
         try:
             for name, piece in named:
                 if name in update:
-                    _step_one(project=project, weights=weights, state=state, name=name, grad=update.pop(name))
+                    _server_step(
+                        project=project, weights=weights, state=state, grads={name: update.pop(name)}
+                    )
                 ready.put(piece)
         except BaseException as exc:  # noqa: BLE001 - raised again in the hashing thread
             ready.put(exc)
