@@ -7,11 +7,14 @@ SOCKET_ADMISSIONS being admitted, a connection is accepted and closed at once wi
 before any session, Redis or database work: the browser comes back after its jittered back-off
 (frontend/static/frontend/backoff.js; the attempt counts as a failure, as its welcome never came), and the
 loop's queue stays short. A slot is held until the welcome or ADMIT_SECONDS, whichever comes first: a client
-that never says hello cannot hold it."""
+that never says hello cannot hold it for long. Nor can one address hold more than PER_ADDRESS of them: the
+bound comes before any login or throttle, so otherwise a few dozen silent sockets from one host, opened
+again every ADMIT_SECONDS, would turn every volunteer of the process away."""
 
 from __future__ import annotations
 
 import asyncio
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,24 +26,30 @@ from workers.protocol import CLOSE_RETRY_LATER
 # 1000 and 3000-4999 only): 4503, as HTTP's 503, in the protocol's own range (engine/spec.json).
 RETRY_LATER = CLOSE_RETRY_LATER
 ADMIT_SECONDS = 30.0
+PER_ADDRESS = 4  # slots one client address may hold at once (its address as the connect throttle sees it)
 
 
 @dataclass
 class Admission:
     limit: int
     admitting: int = 0
+    per_address: int = PER_ADDRESS
+    by_address: Counter[str | None] = field(default_factory=Counter)
 
-    def ticket(self) -> Ticket | None:
-        """A slot, or None when `limit` connections are being admitted already."""
-        if self.admitting >= self.limit:
+    def ticket(self, address: str | None = None) -> Ticket | None:
+        """A slot, or None when `limit` connections are being admitted already, or `per_address` of
+        `address`'s."""
+        if self.admitting >= self.limit or self.by_address[address] >= self.per_address:
             return None
         self.admitting += 1
-        return Ticket(self)
+        self.by_address[address] += 1
+        return Ticket(self, address)
 
 
 @dataclass
 class Ticket:
     admission: Admission
+    address: str | None = None
     held: bool = True
     timer: asyncio.TimerHandle | None = field(default=None, repr=False)
 
@@ -49,6 +58,7 @@ class Ticket:
         if self.held:
             self.held = False
             self.admission.admitting -= 1
+            self.admission.by_address -= Counter({self.address: 1})  # drops the address at zero
             if self.timer is not None:
                 self.timer.cancel()
 
@@ -61,7 +71,7 @@ class AdmissionMiddleware:
         self.admission = admission or Admission(settings.SOCKET_ADMISSIONS)
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
-        ticket = self.admission.ticket()
+        ticket = self.admission.ticket((scope.get("client") or [None])[0])
         if ticket is None:
             await turn_away(receive, send)
             return

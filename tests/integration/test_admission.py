@@ -113,3 +113,18 @@ def test_daphne_sends_the_retry_later_close_code_to_a_browser() -> None:
     finally:
         daphne.terminate()
         daphne.wait(timeout=15)
+
+
+def test_one_address_holds_at_most_its_share_of_the_slots() -> None:
+    """Silent sockets from one host cannot take every slot: other addresses are still admitted, and the
+    host gets its slots back as its connections end."""
+    gate = admission.Admission(limit=32)
+    held = [gate.ticket("203.0.113.9") for _ in range(admission.PER_ADDRESS)]
+    assert all(held)
+    assert gate.ticket("203.0.113.9") is None
+    assert gate.ticket("198.51.100.7") is not None
+    held[0].done()  # type: ignore[union-attr]
+    held[0].done()  # type: ignore[union-attr]  # twice frees one slot, not two
+    assert gate.ticket("203.0.113.9") is not None
+    assert gate.ticket("203.0.113.9") is None
+    assert gate.admitting == admission.PER_ADDRESS + 1
