@@ -66,6 +66,18 @@ def _largest(tensors: Tensors, fraction: float) -> float:
     return fraction * max((float(t.abs().max()) for t in tensors.values() if t.numel()), default=0.0)
 
 
+def perturbed(weights: Tensors, seed: int, steps: int = 4) -> Tensors:
+    """The float32 weights, each times 1 + k / 2**24 for a random whole k, |k| <= `steps` (2**-24: float32's
+    relative rounding, half an ulp or less): the same model as far as float32 can tell."""
+    gen = torch.Generator().manual_seed(seed)
+    return {
+        k: v * (1 + torch.randint(-steps, steps + 1, v.shape, generator=gen) * 2.0**-24)
+        if v.dtype == torch.float32
+        else v
+        for k, v in weights.items()
+    }
+
+
 def record(name: str, data: Any) -> None:
     """Append a result line to test-artifacts/ (gitignored) so numbers can be reported."""
     ARTIFACTS.mkdir(exist_ok=True)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import json
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -17,6 +18,7 @@ from tests.browser.parity import (
     float64_gradients,
     gradient_floor,
     max_errors,
+    perturbed,
     record,
     rel_error,
     split_batch,
@@ -57,6 +59,18 @@ def torch_reference(g: graphs.Graph, weights: graphs.Tensors, batch: graphs.Tens
     return {"grads": result.grads, "loss": result.loss, "buffers": result.buffers, "output": output}
 
 
+# Copies of the weights moved within float32's rounding (parity.perturbed) that PyTorch float32 also trains,
+# to measure how far float32 itself can land from float64 on this model (see compare).
+SPREAD = 3
+
+
+def float32_spread(
+    g: graphs.Graph, weights: graphs.Tensors, batch: graphs.Tensors
+) -> Callable[[], list[Any]]:
+    """PyTorch float32's gradients for SPREAD perturbed copies of the weights, computed when asked."""
+    return lambda: [torch_reference(g, perturbed(weights, seed=s), batch)["grads"] for s in range(SPREAD)]
+
+
 def browser_run(
     page: Any, backend: str, g: graphs.Graph, weights: graphs.Tensors, batch: graphs.Tensors
 ) -> dict[str, Any]:
@@ -78,16 +92,24 @@ def compare(
     want: dict[str, Any],
     exact: graphs.Tensors,
     exact_buffers: graphs.Tensors | None = None,
+    spread: Callable[[], list[graphs.Tensors]] | None = None,
 ) -> dict[str, float]:
     """Gradients are judged against float64: within 1e-4, or within twice PyTorch float32's own error
     where the model is ill-conditioned (ResNet-18's batch norm at batch 2 costs float32 torch ~16%).
     That error is the model's worst over all parameters: one parameter's float32 error is a noisy estimate
-    of how ill-conditioned it is, and varies with the CPU's kernels (with identical inputs, ResNet-18 on the
-    TF.js cpu backend passed a per-parameter bound on one machine and missed it by 2x on another)."""
+    of how ill-conditioned it is. It is also a coin toss that the CPU's kernels decide: a ReLU whose float64
+    input is within float32's rounding of zero flips or not with the order of a sum, and one such unit moved
+    the preset ResNet-18's layer-4 gradients 16% off float64 in both TF.js and AVX-512 PyTorch, but 0.14% in
+    AVX2 PyTorch (same inputs; ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2). So where the browser misses
+    that bound, float32's error is taken as the worst of PyTorch float32 on the weights and on `spread`'s
+    copies moved by a few ulps: a model float32 cannot tell apart from the given one."""
     floor = gradient_floor(exact)
     vs_torch = max_errors(got["grads"], want["grads"], floor)
     vs_exact = max_errors(got["grads"], exact, floor)
     torch_own = max_errors(want["grads"], exact, floor)
+    float32_error = max(torch_own.values())
+    if spread is not None and _over(vs_exact, 2 * float32_error):
+        float32_error = max([float32_error, *(max(max_errors(s, exact, floor).values()) for s in spread())])
     buffers = max_errors(got["buffers"], want["buffers"], buffer_floor(want["buffers"]))
     errors = {
         "output": rel_error(got["output"], want["output"]),
@@ -102,18 +124,20 @@ def compare(
             **errors,
             "grad_vs_torch32": max(vs_torch.values()),
             "grad_vs_float64": max(vs_exact.values()),
-            "torch32_vs_float64": max(torch_own.values()),
+            "torch32_vs_float64": float32_error,
             "worst_grad": max(vs_exact, key=vs_exact.__getitem__),
         },
     )
-    bad = {k: v for k, v in errors.items() if not v <= TOLERANCE}
-    float32_error = max(torch_own.values())
-    bad.update({k: v for k, v in vs_exact.items() if not v <= max(TOLERANCE, 2 * float32_error)})
+    bad = _over(errors, 0.0) | _over(vs_exact, 2 * float32_error)
     if exact_buffers is not None:  # buffers judged like gradients (see _buffers_off_float64)
         bad.pop("buffer_max", None)
         bad.update(_buffers_off_float64(got["buffers"], want["buffers"], exact_buffers))
     assert not bad, f"{name} on {backend}: {bad}"
     return errors
+
+
+def _over(errors: dict[str, float], bound: float) -> dict[str, float]:
+    return {k: v for k, v in errors.items() if not v <= max(TOLERANCE, bound)}
 
 
 def _buffers_off_float64(
@@ -130,7 +154,8 @@ def _buffers_off_float64(
 def run_case(page: Any, backend: str, name: str, g: graphs.Graph, weights: graphs.Tensors, n: int) -> None:
     batch = graphs.batch_for(g, n, seed=7)
     got = browser_run(page, backend, g, weights, batch)
-    compare(name, backend, got, torch_reference(g, weights, batch), float64_gradients(g, weights, batch))
+    want, exact = torch_reference(g, weights, batch), float64_gradients(g, weights, batch)
+    compare(name, backend, got, want, exact, spread=float32_spread(g, weights, batch))
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -154,14 +179,30 @@ def test_preset(harness: Any, backend: str, name: str) -> None:
         ("gpt", "webgl"),
         ("gpt", "cpu"),
         ("resnet18", "webgl"),
-        # Open, as tv_resnet18 on cpu in test_corpus.py (RESNET_CPU_OPEN): machine-dependent, cause not found.
-        pytest.param(
-            "resnet18",
-            "cpu",
-            marks=pytest.mark.xfail(strict=False, reason="open: ResNet-18 cpu machine-dependent"),
-        ),
+        ("resnet18", "cpu"),
     ],
 )
 def test_big_preset(harness: Any, backend: str, name: str) -> None:
     g, weights = preset(name)
     run_case(harness, backend, f"preset:{name}", g, weights, n=2)
+
+
+def test_perturbed_weights_move_by_a_few_ulps_at_most() -> None:
+    weights = {"w": torch.linspace(-3, 3, 1000), "step": torch.tensor([5])}
+    moved = perturbed(weights, seed=1)
+    bound = 5 * 2.0**-24 * weights["w"].abs()  # 4 steps of 2**-24, then rounded to float32
+    assert (moved["w"] != weights["w"]).any() and ((moved["w"] - weights["w"]).abs() <= bound).all()
+    assert torch.equal(moved["step"], weights["step"])
+
+
+def test_float32_spread_widens_the_bound_only_as_far_as_float32_itself_strays() -> None:
+    exact = {"w": torch.ones(4)}
+    want = {"w": torch.ones(4) * (1 + 1e-6)}  # PyTorch float32, on the given weights: close to float64
+    got = {"grads": {"w": torch.ones(4) * 1.1}, "loss": 1.0, "output": torch.ones(2), "buffers": {}}
+    same = {"grads": want, "loss": 1.0, "output": torch.ones(2), "buffers": {}}
+    with pytest.raises(AssertionError, match="'w'"):
+        compare("synthetic", "cpu", got, same, exact)
+    strays = {"w": torch.ones(4) * 1.06}  # a perturbed copy lands 6% away: 10% is within twice that
+    compare("synthetic", "cpu", got, same, exact, spread=lambda: [want, strays])
+    with pytest.raises(AssertionError, match="'w'"):
+        compare("synthetic", "cpu", got, same, exact, spread=lambda: [{"w": torch.ones(4) * 1.04}])

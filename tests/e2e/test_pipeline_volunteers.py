@@ -180,6 +180,13 @@ def browsers_stalled(stack: Stack) -> str:
     return ", ".join(stuck) if len(stuck) == len(BROWSERS) else ""
 
 
+def page_stage(stack: Stack, page: Any, name: str) -> str:
+    """The page's stage line if it names the stage the database gives the volunteer's device, else ''."""
+    text = page.inner_text("#project-stage")
+    stage = stages_of(stack, name).get(name)
+    return text if stage is not None and f"stage {stage + 1} of {STAGES}" in text else ""
+
+
 def expected_credit(stack: Stack) -> int:
     """Each valid result's FLOPs, recounted from the project's graph cut as the server cuts it."""
     graph_id, activation_mb = query(
@@ -271,7 +278,12 @@ def test_two_browsers_and_a_simulated_volunteer_train_the_pipeline_peer_to_peer(
         page.wait_for_function("() => !document.querySelector('#project-stage').hidden")
     SHOTS.mkdir(parents=True, exist_ok=True)
     pages[1].screenshot(path=str(SHOTS / "contribute-pipeline.png"), full_page=True)
-    stage_texts = [page.inner_text("#project-stage") for page in pages]
+    # The swarm may move a browser to the other stage mid-run (a stage short of capacity): each page must
+    # come to show the stage the database gives its device now.
+    stage_texts = [
+        wait_for(f"{name}'s page shows another stage", lambda p=page, n=name: page_stage(stack, p, n), 60, stack)
+        for page, name in zip(pages, BROWSERS, strict=True)
+    ]
     ring = [page.evaluate(RING_STATS) for page in pages]
     for page in pages:
         page.click("#stop")
@@ -282,8 +294,7 @@ def test_two_browsers_and_a_simulated_volunteer_train_the_pipeline_peer_to_peer(
     print(f"\npipeline e2e: train loss by step {losses}; stages {stages}; ring {ring}; sim {simulated}")
     last = [losses[n] for n in sorted(losses)[-3:]]
     assert sum(last) / 3 <= TARGET_LOSS < losses[1], losses
-    for name, text in zip(BROWSERS, stage_texts, strict=True):
-        assert f"stage {stages[name] + 1} of {STAGES}" in text, text
+    print(f"pages at the end: {stage_texts}")
 
     ledger = int(one(stack, "SELECT coalesce(sum(flops), 0) FROM workers_creditentry"))
     assert ledger == expected_credit(stack) > 0
