@@ -281,8 +281,8 @@ def test_two_browsers_and_a_simulated_volunteer_train_the_pipeline_peer_to_peer(
     # The swarm may move a browser to the other stage mid-run (a stage short of capacity): each page must
     # come to show the stage the database gives its device now.
     stage_texts = [
-        wait_for(f"{name}'s page shows another stage", lambda p=page, n=name: page_stage(stack, p, n), 60, stack)
-        for page, name in zip(pages, BROWSERS, strict=True)
+        wait_for(f"{n}'s page shows another stage", lambda p=p, n=n: page_stage(stack, p, n), 60, stack)
+        for p, n in zip(pages, BROWSERS, strict=True)
     ]
     ring = [page.evaluate(RING_STATS) for page in pages]
     for page in pages:

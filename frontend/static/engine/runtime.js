@@ -49,63 +49,15 @@
     return tf.transpose(dilateFirstAxis(tf.transpose(rows, perm), dw), perm);
   }
 
-  // TF.js conv2d has no `groups`: run one convolution per group.
+  // TF.js conv2d has no `groups`: run one convolution per group. On the cpu backend TF.js 4.22's Conv2D rounds
+  // each product into its float32 output (2-6x float32 PyTorch's forward error on long sums, under 1e-5
+  // relative); a float64-summing im2col path cost ResNet-18 14% of its cpu speed and was dropped: the ReLU
+  // flip that motivated it was a float32 coin toss that PyTorch makes too (docs/corpus.md).
   function groupedConv(xh, f, groups, strides, pad) {
-    if (groups === 1) return convolve(xh, f, strides, pad);
+    if (groups === 1) return tf.conv2d(xh, f, strides, pad);
     const xs = tf.split(xh, groups, 3);
     const fs = tf.split(f, groups, 3);
-    return tf.concat(xs.map((x, i) => convolve(x, fs[i], strides, pad)), 3);
-  }
-
-  const PRECISE_SUM_TERMS = 256;
-  const PATCH_ELEMENTS = 1 << 25; // im2col's patches: 128 MB of float32 at most, else tf.conv2d
-
-  // Whether convolve (below) takes the float64-summing path: on cpu, for long sums, within PATCH_ELEMENTS.
-  function preciseConv([n, h, w], [kh, kw, cin], [sh, sw], [, [top, bottom], [left, right]]) {
-    if (tf.getBackend() !== "cpu" || kh * kw * cin < PRECISE_SUM_TERMS) return false;
-    const oh = Math.floor((h + top + bottom - kh) / sh) + 1, ow = Math.floor((w + left + right - kw) / sw) + 1;
-    return n * oh * ow * kh * kw * cin <= PATCH_ELEMENTS;
-  }
-
-  // TF.js 4.22's cpu Conv2D adds each product straight into its float32 output (tfjs-backend-cpu conv2D), so
-  // a 3x3x64 convolution rounds 576 times per value: 2-6x float32 PyTorch's error. Through a deep net that
-  // is enough to flip a ReLU: in torchvision's ResNet-18 (tests/browser/test_corpus.py) a layer1.1.bn1 output
-  // of -2.2e-6 in float64 came out +6e-8, and the gradient flowing through that one unit put
-  // layer1.1.conv1.weight's gradient 3.7% off float64. The cpu backend's matMul and both convolution
-  // gradients sum in float64 (JS numbers), so there the forward is im2col times the filter, one matMul, and
-  // the gradients are the usual kernels'. That costs copies (a small CNN's step ran 20-30% slower on cpu,
-  // benchmarks/engine), so only sums of PRECISE_SUM_TERMS or more products (kh*kw*C_in) take it: shorter
-  // ones rounded as float32 PyTorch did (ResNet-18's 147-term conv1: 4.7e-7 both). Other backends keep tf.conv2d.
-  function convolve(x, f, strides, pad) {
-    if (!preciseConv(x.shape, f.shape, strides, pad)) return tf.conv2d(x, f, strides, pad);
-    return tf.customGrad((xs, fs, save) => {
-      save([xs, fs]);
-      const gradFunc = (dy, [xSaved, fSaved]) => [
-        tf.conv2dTranspose(dy, fSaved, xSaved.shape, strides, pad), // Conv2DBackpropInput, as tf.conv2d's
-        tf.engine().runKernel("Conv2DBackpropFilter", { x: xSaved, dy },
-          { strides, pad, dataFormat: "NHWC", filterShape: fSaved.shape }),
-      ];
-      return { value: im2colConv(xs, fs, strides, pad), gradFunc };
-    })(x, f);
-  }
-
-  // Convolution as one matMul of [N*OH*OW, kh*kw*C] patches (HWC order, the filter's HWIO order) by the
-  // filter reshaped [kh*kw*C, C_out]. pad is explicit [[0, 0], [top, bottom], [left, right], [0, 0]].
-  function im2colConv(x, f, [sh, sw], pad) {
-    const [kh, kw, cin, cout] = f.shape;
-    const xp = pad.some(([a, b]) => a || b) ? tf.pad(x, pad) : x;
-    const [n, h, w] = xp.shape;
-    const oh = Math.floor((h - kh) / sh) + 1, ow = Math.floor((w - kw) / sw) + 1;
-    const taps = [];
-    for (let i = 0; i < kh; i++) {
-      for (let j = 0; j < kw; j++) {
-        const end = [n, i + (oh - 1) * sh + 1, j + (ow - 1) * sw + 1, cin];
-        taps.push(tf.stridedSlice(xp, [0, i, j, 0], end, [1, sh, sw, 1]));
-      }
-    }
-    const patches = taps.length === 1 ? taps[0] : tf.concat(taps, 3);
-    const y = tf.matMul(patches.reshape([-1, kh * kw * cin]), f.reshape([kh * kw * cin, cout]));
-    return y.reshape([n, oh, ow, cout]);
+    return tf.concat(xs.map((x, i) => tf.conv2d(x, fs[i], strides, pad)), 3);
   }
 
   // Zero padding goes to the conv kernel itself (explicit padding): a separate tf.pad would cost a
