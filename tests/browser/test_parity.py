@@ -66,9 +66,14 @@ SPREAD = 3
 
 def float32_spread(
     g: graphs.Graph, weights: graphs.Tensors, batch: graphs.Tensors
-) -> Callable[[], list[Any]]:
+) -> Callable[[], list[graphs.Tensors]]:
     """PyTorch float32's gradients for SPREAD perturbed copies of the weights, computed when asked."""
-    return lambda: [torch_reference(g, perturbed(weights, seed=s), batch)["grads"] for s in range(SPREAD)]
+    from engine.runtime import compute_gradients
+
+    inputs, targets = split_batch(g, batch)
+    return lambda: [
+        compute_gradients(g, perturbed(weights, seed=s), inputs, targets).grads for s in range(SPREAD)
+    ]
 
 
 def browser_run(

@@ -49,10 +49,10 @@
     return tf.transpose(dilateFirstAxis(tf.transpose(rows, perm), dw), perm);
   }
 
-  // TF.js conv2d has no `groups`: run one convolution per group. On the cpu backend TF.js 4.22's Conv2D rounds
-  // each product into its float32 output (2-6x float32 PyTorch's forward error on long sums, under 1e-5
-  // relative); a float64-summing im2col path cost ResNet-18 14% of its cpu speed and was dropped: the ReLU
-  // flip that motivated it was a float32 coin toss that PyTorch makes too (docs/corpus.md).
+  // TF.js conv2d has no `groups`: run one convolution per group. tf.conv2d on every backend, cpu included:
+  // its cpu kernel rounds each product into the float32 output (3.7e-6 off float64 over 9,216 products, as
+  // WebGL; tests/browser/test_ops.py), which a float64-summing path would cut at 14% of ResNet-18's cpu speed,
+  // for ReLU flips that float32 PyTorch makes too (docs/corpus.md, "Float32 coin tosses").
   function groupedConv(xh, f, groups, strides, pad) {
     if (groups === 1) return tf.conv2d(xh, f, strides, pad);
     const xs = tf.split(xh, groups, 3);
