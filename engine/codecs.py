@@ -961,11 +961,33 @@ class ErrorFeedback:
         return data
 
 
+def weights_delta(
+    held: Mapping[str, Tensor],
+    weights: Mapping[str, Tensor],
+    codec: str,
+    block_size: int | None = None,
+    keep: int | None = None,
+) -> tuple[bytes, dict[str, Tensor]]:
+    """The blob taking `held` (what volunteers hold) towards `weights`, compressed with `codec`, and what
+    they hold once they apply it (apply_delta): the server keeps that, so what one delta drops is in the
+    next (error feedback on the way down)."""
+    block = block_size or default_block_size(codec)
+    data = encode({name: weights[name] - held[name] for name in held}, codec, block, keep=keep)
+    return data, apply_delta(held, data)
+
+
+def apply_delta(held: Mapping[str, Tensor], data: Buffer) -> dict[str, Tensor]:
+    """held + decode(delta), tensor by tensor in its own dtype (float32: what codecs.js applyDelta does)."""
+    delta, _ = decode(data)
+    if set(delta) != set(held):
+        raise CodecError(f"the delta's tensors are not the weights': {sorted(set(delta) ^ set(held))[:5]}")
+    return {name: held[name] + delta[name].to(held[name].dtype) for name in held}
+
+
 class WeightsDeltas:
     """Weights sent down as deltas: the first download whole (in `first_codec`), then each new version as
-    its difference to the weights volunteers already hold, compressed (int4, or topk for the largest
-    changes). The server keeps what they hold (`held`, which they train from and spot checks recompute
-    from), so what one delta drops is in the next: error feedback on the way down.
+    its difference to the weights volunteers already hold (weights_delta). The server keeps what they hold
+    (`held`, which they train from and spot checks recompute from).
 
     A volunteer applies the blobs in order, held += decode(delta) in float32, and holds exactly `held`.
     """
@@ -985,12 +1007,5 @@ class WeightsDeltas:
 
     def delta(self, weights: Mapping[str, Tensor]) -> bytes:
         """The blob taking `held` towards `weights` (held then moves by what it carries)."""
-        data = encode(
-            {name: weights[name] - self.held[name] for name in self.held},
-            self.codec,
-            self.block_size,
-            keep=self.keep,
-        )
-        for name, value in decode(data)[0].items():
-            self.held[name] = self.held[name] + value
+        data, self.held = weights_delta(self.held, weights, self.codec, self.block_size, self.keep)
         return data

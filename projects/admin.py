@@ -414,7 +414,7 @@ class ModelVersionAdmin(ReadOnlyAdmin):
     list_select_related = ["project", "weights"]
     search_fields = ["project__name"]
     readonly_fields = ["weights_link", "optimizer_state_link", "pruned_at"]
-    exclude = ["weights", "optimizer_state", "wire_weights"]
+    exclude = ["weights", "optimizer_state", "wire_weights", "wire_delta", "wire_base"]
 
     @admin.display(description="weights")
     def weights_link(self, version: ModelVersion) -> str:

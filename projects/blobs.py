@@ -266,7 +266,8 @@ def blob_access(*, sha256: str, grant: str | None) -> tuple[Blob | None, Access]
     """The blob named `sha256` (None if unknown) and how the request may have it."""
     live_graph = Project.objects.filter(graph=OuterRef("pk"), status__in=LIVE)
     live_weights = ModelVersion.objects.filter(
-        Q(weights=OuterRef("pk")) | Q(wire_weights=OuterRef("pk")), project__status__in=LIVE
+        Q(weights=OuterRef("pk")) | Q(wire_weights=OuterRef("pk")) | Q(wire_delta=OuterRef("pk")),
+        project__status__in=LIVE,
     )
     blobs = Blob.objects.annotate(live_graph=Exists(live_graph), live_weights=Exists(live_weights))
     blob = blobs.filter(pk=sha256).first()
@@ -320,6 +321,7 @@ _REFERENCES: tuple[tuple[type[models.Model], str, str], ...] = (
     (Project, "graph", "owner"),
     (ModelVersion, "weights", "project__owner"),
     (ModelVersion, "wire_weights", "project__owner"),
+    (ModelVersion, "wire_delta", "project__owner"),
     (ModelVersion, "optimizer_state", "project__owner"),
     (WorkUnit, "reference", "project__owner"),
     (Result, "blob", "work_unit__project__owner"),

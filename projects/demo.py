@@ -108,6 +108,7 @@ MNIST_DEMO = Demo(
         "round_samples": 256,
         "learning_rate": 0.1,
         "momentum": 0.9,
+        "weights_delta_codec": "int8",  # each new version down as an int8 delta: a quarter of the bytes
         "target_value": 0.9,
     },
     load=mnist_npz,
@@ -122,6 +123,7 @@ FASHION_DEMO = Demo(
         "round_samples": 256,
         "learning_rate": 0.05,
         "momentum": 0.9,
+        "weights_delta_codec": "int8",
         "target_value": 0.85,
     },
     load=fashion_npz,

@@ -374,7 +374,12 @@ def _next_open_work_unit(
         .select_for_update(skip_locked=True, of=("self",), no_key=True)
         .filter(_new_to(user=user))
         .select_related(
-            "project", "version__weights", "version__wire_weights", "shard__blob", "project__graph"
+            "project",
+            "version__weights",
+            "version__wire_weights",
+            "version__wire_delta",
+            "shard__blob",
+            "project__graph",
         )
         .order_by(rank, *swarms.stage_units_own_first(device_id=device_id), "version__created_at", "id")
         .first()

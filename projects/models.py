@@ -138,6 +138,14 @@ class Project(models.Model):
         INT8 = "int8", "int8 (blockwise)"
         INT4 = "int4", "int4 (blockwise 4-bit)"
 
+    class DeltaCodec(models.TextChoices):
+        """New versions as their difference to the last, compressed; sparse is fine here (error feedback)."""
+
+        NONE = "", "None: whole weights every version"
+        INT8 = "int8", "int8 (blockwise)"
+        INT4 = "int4", "int4 (blockwise 4-bit)"
+        TOPK = "topk", "top-k (the largest 1 in 64 changes)"
+
     class Aggregator(models.TextChoices):
         MEAN = "mean", "Mean weighted by samples"
         TRIMMED_MEAN = "trimmed_mean", "Trimmed mean (drops the extremes per coordinate)"
@@ -171,6 +179,17 @@ class Project(models.Model):
         choices=WeightsCodec.choices,
         default=WeightsCodec.FP32,
         help_text="How model weights go down to volunteers; they train from exactly these (decoded) weights.",
+    )
+    weights_delta_codec = models.CharField(
+        max_length=10,
+        choices=DeltaCodec.choices,
+        default=DeltaCodec.NONE,
+        blank=True,
+        help_text=(
+            "Volunteers holding the previous version download the next as its difference, compressed; what "
+            "that drops goes down with the next one. They train from exactly the weights the deltas build. "
+            "Pipeline projects send their stages' weights whole."
+        ),
     )
     aggregator = models.CharField(max_length=20, choices=Aggregator.choices, default=Aggregator.MEAN)
     learning_rate = models.FloatField(
@@ -345,6 +364,10 @@ class ModelVersion(models.Model):
     )
     # The weights as volunteers download them (the project's weights_codec); None: the fp32 weights.
     wire_weights = models.ForeignKey(Blob, on_delete=models.PROTECT, related_name="+", null=True, blank=True)
+    # With the project's weights_delta_codec: the blob taking the wire weights whose sha256 is `wire_base`
+    # (the previous version's) to this version's. Not a foreign key: that blob may be pruned first.
+    wire_delta = models.ForeignKey(Blob, on_delete=models.PROTECT, related_name="+", null=True, blank=True)
+    wire_base = models.CharField(max_length=64, blank=True, default="")
     train_loss = models.FloatField(null=True, blank=True)
     samples = models.PositiveIntegerField(default=0, help_text="Samples aggregated into this version.")
     # Its round: the samples the feeder planned (None: the project's round_samples), and the samples of the

@@ -42,6 +42,7 @@ TRAINING_SETTINGS = (
     "mode",
     "codec",
     "weights_codec",
+    "weights_delta_codec",
     "aggregator",
     "learning_rate",
     "momentum",
@@ -349,17 +350,42 @@ def version_publish(
     # Hashed and written from the tensors' own memory, never joined into bytes (tens of MB for a ResNet).
     weights_blob = weights_blob or blob_put_tensors(tensors=weights)
     state_blob = blob_put_tensors(tensors=momentum) if momentum else None
-    codec = project.weights_codec
-    wire = blob_put_tensors(tensors=weights, codec=codec) if codec != Project.WeightsCodec.FP32 else None
     return ModelVersion.objects.create(
         project=project,
         number=number,
         weights=weights_blob,
-        wire_weights=wire,
         optimizer_state=state_blob,
         train_loss=train_loss,
         samples=samples,
+        **_wire(project=project, number=number, weights=weights),
     )
+
+
+def _wire(*, project: Project, number: int, weights: Tensors) -> dict[str, Any]:
+    """The version's fields for what volunteers download: the weights in the project's weights_codec (None:
+    the fp32 weights themselves), or with a weights_delta_codec, the delta from the previous version's and
+    the weights it builds (stored whole, in fp32, for volunteers who hold no earlier version)."""
+    codec, delta_codec = project.weights_codec, project.weights_delta_codec
+    previous = _delta_base(project=project, number=number) if delta_codec else None
+    if previous is None:
+        wire = blob_put_tensors(tensors=weights, codec=codec) if codec != Project.WeightsCodec.FP32 else None
+        return {"wire_weights": wire}
+    data, held = codecs.weights_delta(version_wire_weights(version=previous), weights, delta_codec)
+    base = previous.wire_blob.sha256
+    return {
+        "wire_weights": blob_put_tensors(tensors=held),
+        "wire_delta": blob_put(data=data),
+        "wire_base": base,
+    }
+
+
+def _delta_base(*, project: Project, number: int) -> ModelVersion | None:
+    """The version a delta to version `number` starts from; none for pipeline projects (stage units carry
+    their own stage's weights) or once its weights are pruned."""
+    if project.is_pipeline or number == 0:
+        return None
+    previous = project.versions.filter(number=number - 1).select_related("weights", "wire_weights").first()
+    return None if previous is None or previous.is_pruned else previous
 
 
 def version_weights(*, version: ModelVersion) -> Tensors:

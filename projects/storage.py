@@ -196,7 +196,7 @@ def _prune(*, project: Project) -> int:
         )
         ids = list(candidates.values_list("pk", flat=True))
         return ModelVersion.objects.filter(pk__in=ids).update(
-            weights=None, optimizer_state=None, wire_weights=None, pruned_at=timezone.now()
+            weights=None, optimizer_state=None, wire_weights=None, wire_delta=None, pruned_at=timezone.now()
         )
 
 
@@ -356,6 +356,7 @@ KINDS: dict[str, tuple[tuple[type[models.Model], str, str], ...]] = {
     "weights": (
         (ModelVersion, "weights", "project_id"),
         (ModelVersion, "wire_weights", "project_id"),
+        (ModelVersion, "wire_delta", "project_id"),
         (ModelVersion, "optimizer_state", "project_id"),
     ),
     "results": ((Result, "blob", "work_unit__project_id"),),

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Collection
 from dataclasses import dataclass
 
 from django.utils import timezone
@@ -64,7 +65,8 @@ def limits_for(*, device: Device | None, preferences: Preferences, memory_mb: fl
 
 def fit(*, work_unit: WorkUnit, limits: Limits) -> Fit:
     """How many samples of `work_unit` (its project, version and shard with their blobs loaded) fit."""
-    download = sum(size for sha, size in work_unit_blobs(work_unit).items() if sha not in limits.sent)
+    blobs = work_unit_blobs(work_unit, held=limits.sent)
+    download = sum(size for sha, size in blobs.items() if sha not in limits.sent)
     if limits.download_left is not None and download > limits.download_left:
         return Fit(0, "download_limit")
     if limits.work_unit_bytes is not None and download > limits.work_unit_bytes:
@@ -74,12 +76,20 @@ def fit(*, work_unit: WorkUnit, limits: Limits) -> Fit:
     return Fit(samples, "" if samples else "too_large")
 
 
-def work_unit_blobs(work_unit: WorkUnit) -> dict[str, int]:
-    """{sha256: size} of what a browser downloads for `work_unit`."""
-    blobs: list[Blob] = [work_unit.project.graph, work_unit.version.wire_blob, work_unit.shard.blob]
+def work_unit_blobs(work_unit: WorkUnit, *, held: Collection[str] = ()) -> dict[str, int]:
+    """{sha256: size} of what a browser downloads for `work_unit`, given the blobs it `held` (sent on its
+    connection): weights it builds from the previous version's and a delta cost the delta's size."""
     if work_unit.stage_kind:  # a pipeline stage unit: its stage's graph and weights, and its activations
         parts = (work_unit.stage_graph, work_unit.stage_weights, work_unit.input_blob, work_unit.grad_blob)
-        blobs = [work_unit.shard.blob, *(blob for blob in parts if blob is not None)]
+        return _sizes([work_unit.shard.blob, *(blob for blob in parts if blob is not None)])
+    version = work_unit.version
+    sizes = _sizes([work_unit.project.graph, version.wire_blob, work_unit.shard.blob])
+    if version.wire_delta is not None and version.wire_base in held:
+        sizes[version.wire_blob.sha256] = version.wire_delta.size
+    return sizes
+
+
+def _sizes(blobs: list[Blob]) -> dict[str, int]:
     return {blob.sha256: blob.size for blob in blobs}
 
 
@@ -113,7 +123,7 @@ def download_record(*, device: Device, work_unit: WorkUnit, today: DeviceDownloa
     """Count `work_unit`'s download against the device's day (inside the sending transaction). `today`: the
     device's row of today as limits_for locked it in this transaction (read again if not given)."""
     today = today if today is not None and today.device_id == device.pk else _today(device_id=device.pk)
-    today.record(work_unit_blobs(work_unit))
+    today.record(work_unit_blobs(work_unit, held=today.blobs))
     today.save(update_fields=["bytes", "work_units", "blobs"])
 
 

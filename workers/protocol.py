@@ -17,7 +17,7 @@ from engine.partition import Stage
 from projects import ring, stages
 from projects.blobs import shard_url, stage_blob_url
 from projects.lifecycle import ResultOutcome
-from projects.models import Result, WorkUnit
+from projects.models import ModelVersion, Result, WorkUnit
 from workers import preferences as computing
 
 # Shared with the browsers (engine/spec.json): the version, bounds and close codes they must respect.
@@ -322,8 +322,17 @@ def assign_message(result: Result, *, why: str = "share") -> dict[str, Any]:
             },
             "deadline": result.deadline.isoformat(),
             "codec": project.codec,
+            **_weights_delta(work_unit.version),
         },
     }
+
+
+def _weights_delta(version: ModelVersion) -> dict[str, Any]:
+    """A browser holding the weights at `base_url` builds this version's from the delta at `url` (codecs.js
+    applyDelta): exactly the weights at `weights_url`, for a fraction of the bytes."""
+    if version.wire_delta is None:
+        return {}
+    return {"weights_delta": {"url": version.wire_delta.url, "base_url": f"/blobs/{version.wire_base}"}}
 
 
 def ack_message(outcome: ResultOutcome) -> dict[str, Any]:

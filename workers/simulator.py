@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import http.client
 import http.cookiejar
 import json
@@ -114,6 +115,7 @@ class SimulatorStats:
     credit_flops: int = 0
     bytes_sent: int = 0
     bytes_received: int = 0
+    weights_by_delta: int = 0  # versions built from the previous one and a delta, not downloaded whole
     compute_seconds: float = 0.0
     wall_seconds: float = 0.0
     verdicts: dict[int, Verdict] = field(default_factory=dict)  # work unit id -> verdict
@@ -167,6 +169,7 @@ class Unit:
     # The peer ring (projects/ring.py): payloads not on the server yet. The simulator has no WebRTC: it
     # always asks the server to relay them (`fetch`), and uploads its own payloads whole.
     ring: dict[str, Any] | None = None
+    weights_delta: dict[str, str] | None = None  # {url, base_url}: docs/protocol.md, assign
 
     @classmethod
     def parse(cls, raw: dict[str, Any]) -> Unit:
@@ -188,6 +191,7 @@ class Unit:
             output_grad_url=raw.get("output_grad_url"),
             activation_codec=str(raw.get("activation_codec", "fp16")),
             ring=raw.get("ring"),
+            weights_delta=raw.get("weights_delta"),
         )
 
     @property
@@ -531,6 +535,22 @@ class Simulator:
         self.cache.put(url, data)
         return data
 
+    async def weights(self, unit: Unit) -> bytes:
+        """The unit's weights, built as browsers build them from the previous version's (when held) and the
+        server's delta; checked against the content address, and downloaded whole if they differ."""
+        delta = unit.weights_delta
+        base = self.cache.get(delta["base_url"]) if delta and not self.cache.get(unit.weights_url) else None
+        if delta is None or base is None:
+            return await self.download(unit.weights_url)
+        held = codecs.apply_delta(codecs.decode(base)[0], await self.download(delta["url"]))
+        data = codecs.encode(held)
+        if hashlib.sha256(data).hexdigest() != urllib.parse.urlsplit(unit.weights_url).path.split("/")[-1]:
+            logger.warning("weights built from a delta differ from %s; downloading them", unit.weights_url)
+            return await self.download(unit.weights_url)
+        self.stats.weights_by_delta += 1
+        self.cache.put(unit.weights_url, data)
+        return data
+
     async def graph(self, url: str) -> tuple[Graph, int]:
         key = urllib.parse.urlsplit(url).path  # a stage graph's URL carries a grant, fresh every unit
         if key not in self.graphs:
@@ -727,7 +747,7 @@ class _Work:
             return False
         started = time.monotonic()
         graph, flops = await self.sim.graph(self.unit.graph_url)
-        weights = codecs.decode(await self.sim.download(self.unit.weights_url))[0]
+        weights = codecs.decode(await self.sim.weights(self.unit))[0]
         x, y = await self._samples()
         if self.unit.stage is not None:
             return await self._run_stage(

@@ -88,6 +88,36 @@ def test_worker_computes_work_units(harness: Any, work: dict[str, Any], backend:
     )
 
 
+def test_worker_builds_new_weights_from_the_ones_it_holds_and_a_delta(
+    harness: Any, static_server: Any, work: dict[str, Any]
+) -> None:
+    """docs/protocol.md's weights_delta: the worker holding the base version's weights downloads only the
+    delta (the new version's whole weights are not even served here: fetching them would fail), and it
+    trains on the weights the server built; without the base it downloads them whole."""
+    g, weights = presets.export_preset("mlp", seed=0)
+    base, gen = work["base"], torch.Generator().manual_seed(3)
+    moved = {n: t + 0.01 * torch.randn(t.shape, generator=gen) for n, t in weights.items()}
+    delta, held = codecs.weights_delta(weights, moved, "int8")
+    unserved = f"/blobs/{hashlib.sha256(codecs.encode(held)).hexdigest()}"
+    by_delta = {"url": put(static_server, delta), "base_url": base["weights_url"]}
+    unheld = {"url": by_delta["url"], "base_url": "/blobs/" + "0" * 64}
+    later = {**base, "codec": "fp32", "model_version": 4}
+    assigns = [
+        {**base, "id": 1, "codec": "fp32"},
+        {**later, "id": 2, "weights_url": unserved, "weights_delta": by_delta},
+        {**later, "id": 3, "weights_url": put(static_server, codecs.encode(moved)), "weights_delta": unheld},
+    ]
+    _, *results = harness.evaluate("([b, a]) => harness.workerCompute(b, a)", [["cpu"], assigns])
+    assert [r.get("weights_by") for r in results] == ["download", "delta", "download"], results
+    x, y = digits(5)
+    slice_x, slice_y = torch.cat([x[5:25], x[30:42]]), torch.cat([y[5:25], y[30:42]])
+    for result, used in zip(results[1:], (held, moved), strict=True):
+        want = runtime.compute_gradients(g, used, {"x": slice_x}, {"y": slice_y})
+        grads, _ = codecs.decode(base64.b64decode(result["bytes"]))
+        assert max(max_errors(grads, want.grads).values()) <= 1e-4
+        assert abs(result["loss"] - want.loss) <= 1e-4 * want.loss
+
+
 @pytest.mark.parametrize("name", ["seq", "cnn"])
 def test_wasm_falls_back_to_cpu_for_missing_gradient_kernels(
     harness: Any, static_server: Any, name: str

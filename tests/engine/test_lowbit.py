@@ -19,7 +19,7 @@ from safetensors.torch import load as st_load
 from torch import Tensor
 
 from engine import codecs, lowbit
-from engine.codecs import CodecError, ErrorFeedback, decode, encode, parse
+from engine.codecs import CodecError, ErrorFeedback, decode, encode, parse, weights_delta
 
 FIXTURE = Path(__file__).resolve().parents[1] / "js" / "fixtures" / "codecs.json"
 # (codec, block_size, keep) the fixture and the browser test cover.
@@ -67,8 +67,22 @@ def fixture_text() -> str:
         "cases": cases,
         "updates": [{n: _b64(t) for n, t in u.items()} for u in ef_updates()],
         "feedback": feedback,
+        "deltas": [delta_chain(tensors, codec) for codec in ("int8", "int4", "topk")],
     }
     return json.dumps(doc, indent=0) + "\n"
+
+
+def delta_chain(tensors: dict[str, Tensor], codec: str) -> dict[str, object]:
+    """Weights down as deltas from `tensors` (held first): each delta's bytes and what holding it gives."""
+    gen = torch.Generator().manual_seed(11)
+    weights, held, steps = dict(tensors), dict(tensors), []
+    for _ in range(3):
+        weights = {
+            n: t + 0.1 * torch.randn(t.shape, generator=gen) * t.abs().mean() for n, t in weights.items()
+        }
+        data, held = weights_delta(held, weights, codec)
+        steps.append({"blob": base64.b64encode(data).decode(), "held": {n: _b64(t) for n, t in held.items()}})
+    return {"codec": codec, "steps": steps}
 
 
 def ef_updates() -> list[dict[str, Tensor]]:
@@ -215,6 +229,13 @@ def test_a_volunteer_applying_the_deltas_holds_exactly_what_the_server_tracks(
     # one step's worth (measured: 1.6 for topk, 0.13 for int4); deltas sent alone stay 9-14 steps off.
     gap = max(float((down.held[k] - weights[k]).norm() / steps[-1][k].norm()) for k in weights)
     assert gap < 3, gap
+
+
+def test_a_delta_for_other_tensors_is_refused() -> None:
+    held = {"w": torch.zeros(4), "b": torch.zeros(2)}
+    data, _ = weights_delta({"w": torch.zeros(4)}, {"w": torch.ones(4)}, "int8")
+    with pytest.raises(CodecError, match="not the weights'"):
+        codecs.apply_delta(held, data)
 
 
 # --- hostile blobs ------------------------------------------------------------------------------------

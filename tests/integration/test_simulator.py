@@ -171,6 +171,9 @@ def latest_version(stack: Stack) -> int:
 
 
 def test_honest_volunteers_are_validated_credited_and_train_the_model(stack: Stack) -> None:
+    # New versions go down as int8 deltas (projects.services._wire): the volunteers build each version from
+    # the last, check it against its content address, and are spot-checked on it (untrusted: every unit).
+    execute(stack, "UPDATE projects_project SET weights_delta_codec = 'int8'")
     stats = run(
         stack,
         volunteer(stack, "sim-honest-1", max_work_units=10),
@@ -189,6 +192,8 @@ def test_honest_volunteers_are_validated_credited_and_train_the_model(stack: Sta
         assert s.bytes_received > 0 and s.bytes_sent > 0 and s.compute_seconds > 0
         assert 0 < s.compute_share < 1
     assert latest_version(stack) >= 1
+    assert sum(s.weights_by_delta for s in stats) >= 1, stats
+    execute(stack, "UPDATE projects_project SET weights_delta_codec = ''")
 
 
 @contextmanager

@@ -20,7 +20,7 @@ from projects.models import Dataset, ModelVersion, Project, Result, WorkUnit
 from projects.services import version_evaluate, version_weights, version_wire_weights
 from projects.validation import recompute
 from tests.integration.volunteer import assign, receive, tampered
-from workers import protocol
+from workers import fitting, protocol
 from workers.models import CreditEntry, Volunteer
 from workers.services import credit_grant
 
@@ -324,6 +324,46 @@ def test_compressed_weights_go_down_and_the_master_copy_stays_fp32(
         assert 0 < (wire[name] - value).abs().max() <= bound
     sent = protocol.assign_message(assign(volunteer_user))["work_unit"]
     assert sent["weights_url"] == version.wire_weights.url
+
+
+@pytest.mark.parametrize(("codec", "smaller"), [("int8", 3.5), ("topk", 12)])
+def test_new_versions_go_down_as_deltas_that_build_exactly_the_wire_weights(
+    mlp_project: Project, volunteer_user: User, codec: str, smaller: float
+) -> None:
+    """weights_delta_codec: each version's delta applied to the previous version's wire weights gives its
+    wire weights bit for bit (what volunteers train from and spot checks recompute from), for a fraction of
+    the bytes, and what a delta drops goes down with the next: the wire weights stay near the master's."""
+    project = fp32(mlp_project, weights_delta_codec=codec, round_samples=1, learning_rate=0.5)
+    for _ in range(3):
+        assert receive(volunteer_user, assign(volunteer_user)).status == "valid"
+    versions = list(ModelVersion.objects.filter(project=project).order_by("number"))
+    assert [v.number for v in versions] == [0, 1, 2, 3] and versions[0].wire_delta is None
+    for previous, version in zip(versions, versions[1:], strict=False):
+        assert version.wire_delta is not None and version.wire_base == previous.wire_blob.sha256
+        built = codecs.apply_delta(version_wire_weights(version=previous), version.wire_delta.read())
+        wire = version_wire_weights(version=version)
+        assert all(torch.equal(built[name], wire[name]) for name in wire)
+        assert version.wire_delta.size < version.wire_blob.size / smaller
+    master, wire = version_weights(version=versions[-1]), version_wire_weights(version=versions[-1])
+    moved = max(float((master[n] - version_weights(version=versions[0])[n]).norm()) for n in master)
+    assert 0 < max(float((master[n] - wire[n]).norm()) for n in master) < moved
+    result = assign(volunteer_user)
+    sent = protocol.assign_message(result)["work_unit"]
+    base, last = versions[-2].wire_blob, versions[-1]
+    assert last.wire_delta is not None
+    assert sent["weights_delta"] == {"url": last.wire_delta.url, "base_url": base.url}
+    assert sent["weights_url"] == last.wire_blob.url
+    # A device's download (its daily allowance, preferences) counts the delta once it holds the base.
+    assert fitting.work_unit_blobs(result.work_unit)[last.wire_blob.sha256] == last.wire_blob.size
+    held = fitting.work_unit_blobs(result.work_unit, held={base.sha256})
+    assert held[last.wire_blob.sha256] == last.wire_delta.size
+
+
+def test_without_a_delta_codec_no_delta_is_offered(mlp_project: Project, volunteer_user: User) -> None:
+    fp32(mlp_project, round_samples=1)
+    assert receive(volunteer_user, assign(volunteer_user)).status == "valid"
+    assert ModelVersion.objects.get(project=mlp_project, number=1).wire_delta is None
+    assert "weights_delta" not in protocol.assign_message(assign(volunteer_user))["work_unit"]
 
 
 def test_fp32_projects_send_the_master_weights(mlp_project: Project) -> None:

@@ -57,6 +57,22 @@ test("codecs.js's error feedback sends Python's bytes step after step", () => {
   }
 });
 
+test("codecs.js builds the weights a chain of Python's deltas gives, bit for bit", () => {
+  assert.deepStrictEqual(FIXTURE.deltas.map((d) => d.codec), ["int8", "int4", "topk"]);
+  for (const chain of FIXTURE.deltas) {
+    let held = tensors();
+    chain.steps.forEach((step, i) => {
+      held = codecs.applyDelta(held, bytes(step.blob));
+      for (const [name, want] of Object.entries(step.held)) {
+        assert.ok(same(held[name].data, floats(want)), `${chain.codec} step ${i} ${name}`);
+      }
+    });
+  }
+  const one = tensors();
+  delete one.b;
+  assert.throws(() => codecs.applyDelta(one, bytes(FIXTURE.deltas[0].steps[0].blob)), /not the weights/);
+});
+
 test("codecs.js refuses the options Python refuses", () => {
   const one = { a: { shape: [3], data: new Float32Array(3) } };
   assert.throws(() => codecs.encode(one, "int4", { blockSize: 7 }), /even/);

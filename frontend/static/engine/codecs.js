@@ -322,6 +322,25 @@
     return out;
   }
 
+  // Mirrors engine.codecs.apply_delta: held + the decoded delta, tensor by tensor. Each sum is rounded to
+  // float32 as it is stored, as torch's float32 add rounds it: the server's weights, bit for bit.
+  function applyDelta(held, buf) {
+    const delta = decode(buf);
+    const names = Object.keys(held);
+    if (names.length !== Object.keys(delta).length || names.some((name) => !delta[name])) {
+      throw new Error("the delta's tensors are not the weights'");
+    }
+    const out = {};
+    for (const name of names) {
+      const base = held[name].data, step = delta[name].data;
+      if (step.length !== base.length) throw new Error(`the delta of ${name} has ${step.length} values`);
+      const data = new base.constructor(base.length);
+      for (let i = 0; i < base.length; i++) data[i] = base[i] + step[i];
+      out[name] = { shape: held[name].shape, data };
+    }
+    return out;
+  }
+
   // ---- error feedback -------------------------------------------------------------------------
   // Mirrors engine.codecs.ErrorFeedback: what quantisation drops from one update is added to the next,
   // so the sum of what is sent tracks the sum of the true updates (the residual stays bounded by half a
@@ -360,7 +379,7 @@
   }
 
   ns.codecs = {
-    parse, serialize, encode, decode, toHalf, halfToFloat, quantizeInt8, packNibbles, topkSelect, ErrorFeedback,
+    parse, serialize, encode, decode, applyDelta, toHalf, halfToFloat, quantizeInt8, packNibbles, topkSelect, ErrorFeedback,
     DEFAULT_BLOCK, DEFAULT_BLOCKS,
   };
 })((self.crowdtrain = self.crowdtrain || {}));

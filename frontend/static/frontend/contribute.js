@@ -60,7 +60,7 @@
       outbox: [], // finished results waiting for the socket to come back
       unacked: new Map(), // id -> result sent on this connection, kept until acked (resent on `busy`)
       done: 0, rate: 0,
-      engineSince: null, computeMs: 0, shareTimer: null, // for the share of time spent computing
+      engineSince: null, computeMs: 0, weightsByDelta: 0, shareTimer: null, // for the share of time spent computing
       preferences: DEFAULT_PREFERENCES,
       pause: null, pausedSince: null, releaseTimer: null, // why the worker is paused, since when
       restUntil: 0, restTimer: null, askTimer: null, // the duty cycle's rest (this page's clock)
@@ -538,6 +538,7 @@
     if (s.computing === msg.work_unit) s.computing = null;
     if (msg.type === "result") { // cancelled or not, the device spent this time computing
       s.computeMs += msg.timings.compute_ms;
+      if (msg.weights_by === "delta") s.weightsByDelta += 1;
       s.steps.push({ work_unit: msg.work_unit, ...msg.step });
       if (s.steps.length > MAX_STEPS) s.steps.shift();
       resting(msg.rest_ms || 0);
@@ -609,7 +610,7 @@
   // For the volunteer's console and the browser tests: the worker's own timestamps of each unit.
   self.crowdtrainContribute = {
     steps: () => s.steps.slice(),
-    state: () => ({ pause: s.pause, idle: s.idle, stage: s.stage }),
+    state: () => ({ pause: s.pause, idle: s.idle, stage: s.stage, weightsByDelta: s.weightsByDelta }),
     ring: () => (s.ring ? { ...s.ring.stats, kept: s.ring.kept.size } : null), // bytes by the peer and relayed
   };
 

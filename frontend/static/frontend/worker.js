@@ -14,6 +14,7 @@
 //                   {type: "started", work_unit}
 //                   {type: "result", work_unit, model_version, samples, loss,
 //                    timings: {download_ms, compute_ms}, bytes: ArrayBuffer (transferred),
+//                    weights_by: "cache" | "delta" | "download" (how its weights came: protocol.md, assign),
 //                    step: {start, end} (this worker's performance.now()), rest_ms (before the next unit),
 //                    sent?: {digest, bytes: ArrayBuffer} (a stage unit's payload for the next volunteer, sent
 //                    by the peer ring: `bytes` above then leaves it out, as docs/protocol.md says)}
@@ -161,10 +162,31 @@ async function fetchBytes(url) {
   return response.arrayBuffer();
 }
 
+// What a decoded blob holds: bytes as they are, or tensors ({name: {shape, data}}); 0 for a graph.
+function decodedBytes(value) {
+  if (ArrayBuffer.isView(value)) return value.byteLength;
+  return Object.values(value).reduce((n, t) => n + (ArrayBuffer.isView(t && t.data) ? t.data.byteLength : 0), 0);
+}
+
+// A version's weights: built from the previous version's, when this worker holds them, and the delta the
+// server offers (docs/protocol.md, assign): the same values as weights_url's, for a fraction of its bytes.
+// Returns {by: "cache" | "delta" | "download", weights: Promise}.
+function weightsFor(assign) {
+  const delta = assign.weights_delta;
+  const base = delta && cache.get(keyOf(delta.base_url));
+  if (cache.has(keyOf(assign.weights_url)) || !base) {
+    const by = cache.has(keyOf(assign.weights_url)) ? "cache" : "download";
+    return { by, weights: cached(assign.weights_url, (buf) => ct.codecs.decode(buf)) };
+  }
+  const build = async (buf) => ct.codecs.applyDelta(await base.promise, buf);
+  return { by: "delta", weights: cached(assign.weights_url, build, delta.url) };
+}
+
 // A blob's URL without its grant: stage units' URLs carry one signed afresh for every unit.
 const keyOf = (url) => url.split("?")[0];
 
-function cached(url, decode) {
+// `source`: where the bytes come from when not from `url` itself (a delta that builds it).
+function cached(url, decode, source = url) {
   const key = keyOf(url);
   let entry = cache.get(key);
   if (entry) {
@@ -173,10 +195,11 @@ function cached(url, decode) {
     return entry.promise;
   }
   entry = { bytes: 0 };
-  entry.promise = fetchBytes(url).then((buf) => {
-    entry.bytes = buf.byteLength;
+  entry.promise = fetchBytes(source).then(async (buf) => {
+    const value = await decode(buf);
+    entry.bytes = Math.max(buf.byteLength, decodedBytes(value));
     evict();
-    return decode(buf);
+    return value;
   });
   entry.promise.catch(() => cache.delete(key));
   cache.set(key, entry);
@@ -238,14 +261,15 @@ function payload(url, given) {
 
 async function download(assign, payloads = {}) {
   const t0 = performance.now();
+  const source = weightsFor(assign);
   const [graph, weights, input, outputGrad, ...shards] = await Promise.all([
     cached(assign.graph_url, (buf) => ct.graph.load(buf)),
-    cached(assign.weights_url, (buf) => ct.codecs.decode(buf)),
+    source.weights,
     payload(assign.input_url, payloads.input),
     payload(assign.output_grad_url, payloads.output_grad),
     ...assign.shards.map((s) => cached(s.url, (buf) => ct.codecs.decode(buf))),
   ]);
-  return { graph, weights, shards, input, outputGrad, ms: performance.now() - t0 };
+  return { graph, weights, shards, input, outputGrad, weightsBy: source.by, ms: performance.now() - t0 };
 }
 
 // ---- tasks ---------------------------------------------------------------------------------------
@@ -394,7 +418,7 @@ async function compute(assign, downloading) {
   return {
     type: "result", work_unit: assign.id, model_version: assign.model_version, samples: r.samples, loss: r.loss,
     timings: { download_ms: Math.round(d.ms), compute_ms: Math.round(end - t0) }, bytes: ownBuffer(r.bytes),
-    step: { start: t0, end }, rest_ms: restFor(pacing.lastCompute),
+    weights_by: d.weightsBy, step: { start: t0, end }, rest_ms: restFor(pacing.lastCompute),
     sent: r.sent ? { digest: await ct.activations.digest(r.sent), bytes: ownBuffer(r.sent) } : undefined,
   };
 }
