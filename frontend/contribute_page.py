@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 from django.utils import timezone
+from django.utils.formats import get_format
 from django.utils.translation import gettext as _
 
 from workers.models import Volunteer
@@ -27,7 +28,23 @@ def contribute_context(*, volunteer: Volunteer) -> dict[str, Any]:
 
 def contribute_strings() -> dict[str, str]:
     """Called per request: gettext in the request's language."""
-    return {**_status_strings(), **_pause_strings(), **_preference_strings(), **_log_strings()}
+    return {
+        **_status_strings(),
+        **_pause_strings(),
+        **_preference_strings(),
+        **_log_strings(),
+        **_credit_strings(),
+    }
+
+
+def _credit_strings() -> dict[str, str]:
+    """The recent average as the template shows it (the msgid of its blocktranslate), and the separators
+    the `credit` filter uses in this language, for the script's copy of that filter."""
+    return {
+        "recent_average": _("%(credit)s credit/day"),
+        "decimal_separator": str(get_format("DECIMAL_SEPARATOR")),
+        "thousand_separator": str(get_format("THOUSAND_SEPARATOR")),
+    }
 
 
 def _status_strings() -> dict[str, str]:

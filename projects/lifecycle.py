@@ -73,6 +73,7 @@ class ResultOutcome:
     reason: str
     credit_flops: int
     total_credit_flops: int
+    recent_credit: float  # the volunteer's recent average (credit per day) as of the outcome
 
     @property
     def accepted(self) -> bool:
@@ -419,7 +420,7 @@ def result_receive(
     user: User,
     work_unit_id: int,
     samples: int,
-    loss: float,
+    loss: float | None,
     compute_ms: int,
     download_ms: int = 0,
     payload: bytes,
@@ -465,12 +466,16 @@ def result_refuse(*, user: User, work_unit_id: int, reason: str) -> bool:
     return True
 
 
-def _record_arrival(*, result: Result, samples: int, loss: float, compute_ms: int, download_ms: int) -> None:
+def _record_arrival(
+    *, result: Result, samples: int, loss: float | None, compute_ms: int, download_ms: int
+) -> None:
     """The client's timings are its word only: a device can never claim more time than the server saw the
-    instance out (they drive the device's speed and the dashboard's compute share, never credit)."""
+    instance out (they drive the device's speed and the dashboard's compute share, never credit). A unit
+    without a loss stores none, whatever the client said (an older page sent 0 for them)."""
     result.status = Result.Status.RECEIVED
     result.received_at = timezone.now()
-    result.samples, result.loss = samples, loss
+    result.samples = samples
+    result.loss = loss if stages.unit_has_loss(work_unit=result.work_unit) else None
     out_ms = int((result.received_at - result.sent_at).total_seconds() * 1000)
     bound = max(0, min(out_ms, MAX_REPORTED_MS))
     result.compute_ms, result.download_ms = min(max(0, compute_ms), bound), min(max(0, download_ms), bound)
@@ -508,22 +513,36 @@ def _result_for(*, user: User, work_unit_id: int) -> Result:
     raise ResultError("unknown_work_unit", f"There is no work unit {work_unit_id}.")
 
 
-def result_outcome(*, result: Result, total_flops: int | None = None) -> ResultOutcome:
-    """`total_flops`: the volunteer's credit total, if the caller read it already (else read here)."""
+@dataclass(frozen=True)
+class Standing:
+    """A volunteer's credit as its Contribute page shows it: the total and the recent average, read together
+    (the page keeps the average that came with the highest total)."""
+
+    total_flops: int = 0
+    recent_credit: float = 0.0
+
+
+def result_outcome(*, result: Result, standing: Standing | None = None) -> ResultOutcome:
+    """`standing`: the volunteer's credit, if the caller read it already (else read here)."""
     credit = getattr(result, "credit", None)
-    if total_flops is None:
-        total_flops = _totals(user_ids=[result.volunteer_id]).get(result.volunteer_id, 0)
+    if standing is None:
+        standing = _standings(user_ids=[result.volunteer_id]).get(result.volunteer_id, Standing())
     return ResultOutcome(
         work_unit_id=result.work_unit_id,
         status=_outcome_status(result),
         reason=result.reason,
         credit_flops=credit.flops if credit else 0,
-        total_credit_flops=total_flops,
+        total_credit_flops=standing.total_flops,
+        recent_credit=standing.recent_credit,
     )
 
 
-def _totals(*, user_ids: list[int]) -> dict[int, int]:
-    return dict(Volunteer.objects.filter(user_id__in=user_ids).values_list("user_id", "total_flops"))
+def _standings(*, user_ids: list[int]) -> dict[int, Standing]:
+    now = timezone.now()
+    rows = Volunteer.objects.filter(user_id__in=user_ids).only(
+        "user_id", "total_flops", "expavg_credit", "expavg_time"
+    )
+    return {row.user_id: Standing(row.total_flops, row.recent_credit(now=now)) for row in rows}
 
 
 def _outcome_status(result: Result) -> str:
@@ -537,10 +556,10 @@ def results_announce(*, result_ids: list[int]) -> None:
     is wanted again, so every volunteer hears of work."""
     invalid = False
     results = list(Result.objects.filter(pk__in=result_ids).select_related("credit").order_by("pk"))
-    # One query for every volunteer's total: a validation batch announces dozens of verdicts at once.
-    totals = _totals(user_ids=[result.volunteer_id for result in results])
+    # One query for every volunteer's credit: a validation batch announces dozens of verdicts at once.
+    standings = _standings(user_ids=[result.volunteer_id for result in results])
     for result in results:
-        outcome = result_outcome(result=result, total_flops=totals.get(result.volunteer_id, 0))
+        outcome = result_outcome(result=result, standing=standings.get(result.volunteer_id, Standing()))
         notify.result_decided(
             user_id=result.volunteer_id,
             work_unit_id=outcome.work_unit_id,
@@ -548,6 +567,7 @@ def results_announce(*, result_ids: list[int]) -> None:
             reason=outcome.reason,
             credit_flops=outcome.credit_flops,
             total_credit_flops=outcome.total_credit_flops,
+            recent_credit=outcome.recent_credit,
         )
         invalid = invalid or result.validation == Result.Validation.INVALID
     if invalid:

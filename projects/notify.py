@@ -65,9 +65,16 @@ def baseline_wanted(*, project_id: int) -> None:
 
 
 def result_decided(
-    *, user_id: int, work_unit_id: int, status: str, reason: str, credit_flops: int, total_credit_flops: int
+    *,
+    user_id: int,
+    work_unit_id: int,
+    status: str,
+    reason: str,
+    credit_flops: int,
+    total_credit_flops: int,
+    recent_credit: float,
 ) -> None:
-    """Tell a volunteer how its result was judged."""
+    """Tell a volunteer how its result was judged, and its credit after it (the total, the recent average)."""
     _group_send(
         user_group(user_id),
         {
@@ -77,6 +84,7 @@ def result_decided(
             "reason": reason,
             "credit_flops": credit_flops,
             "total_credit_flops": total_credit_flops,
+            "recent_credit": recent_credit,
         },
     )
 

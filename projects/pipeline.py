@@ -39,6 +39,7 @@ from projects.stages import (
     payload_split,
     project_partition,
     slice_tensors,
+    unit_has_loss,
     unit_seed,
     unit_stage,
 )
@@ -70,7 +71,7 @@ def stage_result_check(*, result: Result, spot_check: bool) -> tuple[str | None,
     work_unit = result.work_unit
     if result.samples != work_unit.count:
         return f"expected {work_unit.count} samples, got {result.samples}", StageParts()
-    if result.loss is None or not math.isfinite(result.loss):
+    if unit_has_loss(work_unit=work_unit) and (result.loss is None or not math.isfinite(result.loss)):
         return "the loss is not a finite number", StageParts()
     if result.sent_digest and (work_unit.spot_check or not _ring_may_send(work_unit)):
         return "the server asked for this unit's payload, and got only its digest", StageParts()

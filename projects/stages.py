@@ -356,6 +356,11 @@ def unit_stage(*, work_unit: WorkUnit) -> Stage:
     return project_partition(project=work_unit.project).stages[work_unit.stage or 0]
 
 
+def unit_has_loss(*, work_unit: WorkUnit) -> bool:
+    """Data-parallel units compute the loss of their slice; of the stage units, only the last stage's."""
+    return not work_unit.stage_kind or unit_stage(work_unit=work_unit).last
+
+
 def backward_units(*, project: Project) -> int:
     """Backward units per micro-batch: the last stage's, and one for each stage whose output gradient is
     sent back (the stages after the first one with parameters)."""

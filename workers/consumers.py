@@ -17,6 +17,7 @@ from asgiref.sync import sync_to_async
 from autobahn.exception import Disconnected
 from channels.generic.websocket import AsyncWebsocketConsumer
 from django.conf import settings
+from django.utils import timezone
 from redis.exceptions import RedisError
 
 from config.admission import admitted
@@ -194,6 +195,7 @@ class VolunteerConsumer(SignallingMixin, RingMixin, AsyncWebsocketConsumer):  # 
             protocol.welcome_message(
                 username=self.user.get_username(),
                 credit_flops=volunteer.total_flops,
+                recent_credit=volunteer.recent_credit(now=timezone.now()),
                 preferences=self.preferences,
             )
         )

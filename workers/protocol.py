@@ -51,6 +51,7 @@ def _storable(text: str) -> str:
 Count = Annotated[int, Field(ge=0, le=MAX_COUNT)]
 Millis = Annotated[int, Field(ge=0, le=MAX_MILLIS)]
 Fraction = Annotated[float, Field(ge=0.0, le=1.0, allow_inf_nan=False)]
+Loss = Annotated[float, Field(allow_inf_nan=False)]
 Backend = Annotated[str, Field(min_length=1, max_length=20), AfterValidator(_storable)]
 UserAgent = Annotated[str, Field(max_length=1000), AfterValidator(_storable)]
 DeviceId = Annotated[str, Field(pattern=spec.PROTOCOL["device_id_pattern"])]
@@ -109,7 +110,8 @@ class ResultMessage(_Schema):
     work_unit: Count
     model_version: Count
     samples: Count
-    loss: Annotated[float, Field(allow_inf_nan=False)]
+    # null: the unit computes no loss (a pipeline stage unit but the last stage's); a 0 would read as one.
+    loss: Loss | None
     timings: Timings = Timings()
     sent: Sent | None = None
 
@@ -173,7 +175,7 @@ class ResultMeta:
     work_unit: int
     model_version: int
     samples: int
-    loss: float
+    loss: float | None
     compute_ms: int
     download_ms: int
     sent_digest: str = ""
@@ -245,12 +247,13 @@ def result_meta(message: ResultMessage) -> ResultMeta:
 
 
 def welcome_message(
-    *, username: str, credit_flops: int, preferences: computing.Preferences
+    *, username: str, credit_flops: int, recent_credit: float, preferences: computing.Preferences
 ) -> dict[str, Any]:
+    """`recent_credit`: the recent average (credit per day) as of now, as the Contribute page shows it."""
     return {
         "type": "welcome",
         "protocol": PROTOCOL_VERSION,
-        "volunteer": {"username": username, "credit_flops": credit_flops},
+        "volunteer": {"username": username, "credit_flops": credit_flops, "recent_credit": recent_credit},
         "preferences": preferences_payload(preferences),
     }
 
@@ -344,11 +347,12 @@ def ack_message(outcome: ResultOutcome) -> dict[str, Any]:
         "reason": outcome.reason,
         "credit_flops": outcome.credit_flops,
         "total_credit_flops": outcome.total_credit_flops,
+        "recent_credit": outcome.recent_credit,
     }
 
 
 def credit_message(event: dict[str, Any]) -> dict[str, Any]:
-    keys = ("work_unit", "status", "reason", "credit_flops", "total_credit_flops")
+    keys = ("work_unit", "status", "reason", "credit_flops", "total_credit_flops", "recent_credit")
     return {"type": "credit", **{key: event[key] for key in keys}}
 
 

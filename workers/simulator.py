@@ -372,15 +372,15 @@ class StageInputs:
 
 def honest_stage_result(
     graph: Graph, weights: Tensors, unit: Unit, inputs: StageInputs
-) -> tuple[bytes, float]:
-    """What an honest browser sends for a stage unit: the payload and the loss (0 but in the last stage)."""
+) -> tuple[bytes, float | None]:
+    """What an honest browser sends for a stage unit: its payload and loss (None but in the last stage)."""
     assert unit.stage is not None
     stage, fields, codec = unit_stage(graph, unit.stage), unit.stage, unit.activation_codec
     feed = _stage_feed(stage, graph, unit, inputs)
     seed = int(fields["seed"])
     if fields["kind"] == "forward":
         output = stage_forward(stage, weights, feed, seed=seed).output
-        return activations.encode(output, codec, kind="activation"), 0.0
+        return activations.encode(output, codec, kind="activation"), None
     output_grad = None
     if not stage.last:  # decoded against the output's shape
         shape = list(stage_forward(stage, weights, feed, seed=seed).output.shape)
@@ -390,7 +390,7 @@ def honest_stage_result(
     done = stage_backward(stage, weights, feed, output_grad, targets=targets, loss_scale=scale, seed=seed)
     grad = b"" if done.input_grad is None else activations.encode(done.input_grad, codec, kind="gradient")
     tensors = codecs.encode({**done.grads, **done.buffers}, "fp32")  # batch-norm statistics beside them
-    return STAGE_LENGTH.pack(len(grad)) + grad + tensors, done.loss or 0.0
+    return STAGE_LENGTH.pack(len(grad)) + grad + tensors, done.loss
 
 
 def _stage_feed(stage: Stage, graph: Graph, unit: Unit, inputs: StageInputs) -> Any:
@@ -851,7 +851,7 @@ class _Work:
             self.session.ws.transport.abort()
             raise _Dropped
 
-    async def _send(self, payload: bytes, loss: float, compute_ms: int, download_ms: int) -> None:
+    async def _send(self, payload: bytes, loss: float | None, compute_ms: int, download_ms: int) -> None:
         await self.session.send(
             {
                 "type": "result",

@@ -284,3 +284,85 @@ def test_a_result_computed_while_away_survives_a_retry_later_close(
         server.computed.set()
         context.close()
         server.server.shutdown()
+
+
+# --- pipeline stage units: no loss where none is computed; the recent average from the server -----------
+
+RECENT = {1: 0.000116, 2: 1234.5678}  # the server's recent average after each unit's verdict
+
+
+class StageServer:
+    """Gives out a stage-0 forward unit (no loss) and a last-stage backward unit (the loss) of a pipeline
+    project at once, then `idle`; each result is acked and credited with the recent average RECENT says."""
+
+    def __init__(self, assigns: list[dict[str, Any]]) -> None:
+        self.assigns = list(assigns)
+        self.losses: list[float | None] = []  # as each result message said
+        self.server = ws_server.serve(self.handle, "127.0.0.1", 0)
+        self.url = f"ws://127.0.0.1:{self.server.socket.getsockname()[1]}/ws/volunteer/"
+
+    def handle(self, ws: Any) -> None:
+        for frame in ws:
+            msg: dict[str, Any] = json.loads(frame) if isinstance(frame, str) else {"type": "<binary>"}
+            if msg["type"] == "hello":
+                volunteer = {"username": "alice", "credit_flops": 0, "recent_credit": 0.0}
+                ws.send(json.dumps({"type": "welcome", "protocol": 1, "volunteer": volunteer}))
+            elif msg["type"] == "ready":
+                unit = self.assigns.pop(0) if self.assigns else None
+                ws.send(json.dumps({"type": "assign", "work_unit": unit} if unit else {"type": "idle"}))
+            elif msg["type"] == "result":
+                self.losses.append(msg["loss"])
+            elif msg["type"] == "<binary>":
+                self.credit(ws, unit=len(self.losses))  # the units are computed in the order given
+
+    def credit(self, ws: Any, *, unit: int) -> None:
+        verdict = {
+            "work_unit": unit,
+            "reason": "",
+            "total_credit_flops": unit * CREDIT,
+            "recent_credit": RECENT[unit],
+        }
+        ws.send(
+            json.dumps({"type": "ack", "accepted": True, "status": "pending", "credit_flops": 0, **verdict})
+        )
+        ws.send(json.dumps({"type": "credit", "status": "valid", "credit_flops": CREDIT, **verdict}))
+
+
+def test_stage_units_log_no_loss_and_the_recent_average_follows_the_verdicts(
+    browser: Any, static_server: Any
+) -> None:
+    from frontend.templatetags.crowdtrain import format_credit
+    from tests.browser.test_worker import server_units, stage_assign
+
+    work = server_units(static_server, *presets.export_preset("mlp", seed=0))
+    forward = stage_assign(work, 1, 0, "forward")
+    backward = stage_assign(work, 2, 2, "backward", input_url=work["urls"]["out1"])
+    server = StageServer([forward, backward])
+    threading.Thread(target=server.server.serve_forever, daemon=True).start()
+    static_server.put_blob("contribute-stages.html", page_from_template(server.url).encode())
+    context = browser.new_context()
+    page = context.new_page()
+    try:
+        page.goto(f"{static_server.url}/blobs/contribute-stages.html")
+        before = page.text_content("#recent-average")
+        started = time.monotonic()
+        page.click("#contribute")
+        page.wait_for_function(
+            "() => /work unit 2 validated/.test(document.getElementById('log').textContent)",
+            timeout=120_000,
+        )
+        elapsed = time.monotonic() - started
+        log = page.text_content("#log") or ""
+        assert "work unit 1: 8 samples, loss —," in log and "loss 0.0000" not in log, log
+        assert re.search(r"work unit 2: 8 samples, loss \d+\.\d{4},", log), log
+        assert server.losses[0] is None and isinstance(server.losses[1], float)
+        assert before == "0 credit/day"
+        assert (
+            page.text_content("#recent-average")
+            == f"{format_credit(RECENT[2])} credit/day"
+            == "1,235 credit/day"
+        )
+    finally:
+        context.close()
+        server.server.shutdown()
+    print(f"stage units: {elapsed:.1f} s from click to the second verdict")

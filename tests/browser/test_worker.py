@@ -430,13 +430,14 @@ def test_worker_computes_every_kind_of_stage_unit_as_the_server_does(
     forward0, forward1, last, middle, first, ring_forward, ring_backward = results
     activation(base64.b64decode(forward0["bytes"]), want["forward0"], "activation")
     activation(base64.b64decode(forward1["bytes"]), want["forward1"], "activation")
-    assert forward0["loss"] == 0 and forward0.get("sent") is None
+    assert forward0["loss"] is None and forward0.get("sent") is None  # a forward unit computes no loss
 
     grad, grads = backward_parts(last)
     activation(grad, want["last"].input_grad, "gradient")
     grads_within(grads, want["last"].grads)
     assert abs(last["loss"] - want["last"].loss) <= 1e-4 * want["last"].loss
 
+    assert middle["loss"] is None and first["loss"] is None  # backward units but the last stage's: none
     grad, grads = backward_parts(middle)
     activation(grad, want["middle"].input_grad, "gradient")
     grads_within(grads, want["middle"].grads)

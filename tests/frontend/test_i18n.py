@@ -168,3 +168,17 @@ def test_error_pages_are_the_sites_own_and_translated(volunteer_user: Any, other
     refused = client.get(f"/teams/{team.pk}/edit/")
     assert refused.status_code == 403
     assert "Seul le fondateur de l’équipe peut modifier sa page." in refused.content.decode()
+
+
+def test_the_contribute_pages_live_recent_average_reads_as_its_template() -> None:
+    """contribute.js writes #recent-average with these after each credit: the template's blocktranslate
+    msgid, and the separators the `credit` filter uses in the page's language."""
+    from django.utils import translation
+
+    from frontend.contribute_page import contribute_strings
+
+    with translation.override("fr"):
+        strings = contribute_strings()
+    assert strings["recent_average"] == "%(credit)s crédits/jour"
+    assert (strings["decimal_separator"], strings["thousand_separator"]) == (",", "\xa0")
+    assert contribute_strings()["recent_average"] == "%(credit)s credit/day"

@@ -14,6 +14,7 @@ from channels.testing import WebsocketCommunicator
 from django.conf import settings
 from django.contrib.auth.models import User
 from django.test import Client
+from django.utils import timezone
 
 from config.asgi import application
 from projects.lifecycle import results_release
@@ -21,7 +22,7 @@ from projects.models import Project, WorkUnit
 from projects.tasks import feed_work_units
 from tests.integration.volunteer import honest_update
 from workers import consumers
-from workers.models import Device
+from workers.models import Device, Volunteer
 from workers.services import device_register
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -96,6 +97,10 @@ def test_assign_result_ack_over_the_socket(mlp_project: Project, volunteer_user:
         credit = json.loads(await communicator.receive_from(timeout=10))
         assert credit["type"] == "credit" and credit["status"] == "valid", credit
         assert credit["credit_flops"] == 50 * mlp_project.flops_per_sample == credit["total_credit_flops"]
+        # The recent average as the server keeps it (the Contribute page shows it live), decayed to now.
+        volunteer = await database_sync_to_async(Volunteer.objects.get)(user=volunteer_user)
+        recent = volunteer.recent_credit(now=timezone.now())
+        assert credit["recent_credit"] == pytest.approx(recent, rel=1e-4) and recent > 0
         await communicator.disconnect()
 
     async_to_sync(scenario)()

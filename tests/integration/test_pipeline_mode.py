@@ -28,7 +28,8 @@ from workers import protocol, simulator
 from workers.models import CreditEntry
 
 pytestmark = pytest.mark.django_db(transaction=True)
-Answer = Callable[[Result], tuple[bytes, float]]
+Answered = tuple[bytes, float | None]  # the payload and the loss (None: the unit computes none)
+Answer = Callable[[Result], Answered]
 BATCH, MICRO = 20, 3
 
 
@@ -59,7 +60,7 @@ def _blob(url: str | None) -> bytes | None:
     return Blob.objects.get(pk=_sha(url)).read() if url else None
 
 
-def honest(result: Result) -> tuple[bytes, float]:
+def honest(result: Result) -> Answered:
     """What the simulated volunteer sends, from the assign message alone."""
     message = protocol.assign_message(result)["work_unit"]
     unit = simulator.Unit.parse(message)
@@ -154,6 +155,11 @@ def test_three_stages_train_like_torch_sgd_and_credit_sums_exactly(
     assert units.count() == 3 * MICRO * (2 * 3 - 1)  # forward on stages 0-1, backward on 0-2
     ledger = CreditEntry.objects.filter(project=project).aggregate(total=Sum("flops"))["total"]
     assert ledger == expected_credit(project) > 0
+    # Only the last stage's units compute a loss: the others report none, and none is stored for them.
+    results = Result.objects.filter(work_unit__project=project, validation=Result.Validation.VALID)
+    losses = list(results.filter(work_unit__stage=2).values_list("loss", flat=True))
+    assert losses and all(loss is not None and math.isfinite(loss) for loss in losses)
+    assert not results.exclude(work_unit__stage=2).exclude(loss=None).exists()
 
 
 def test_the_data_parallel_modes_refuse_a_model_over_the_device_budget_and_pipeline_cuts_it(
@@ -166,22 +172,22 @@ def test_the_data_parallel_modes_refuse_a_model_over_the_device_budget_and_pipel
     assert len(stages.project_partition(project=project).stages) == 2
 
 
-def nan_activation(result: Result) -> tuple[bytes, float]:
+def nan_activation(result: Result) -> Answered:
     payload, loss = honest(result)
     tensor = codecs.decode(payload)[0]["activation"].clone()
     tensor[0, 0] = math.nan
     return codecs.encode({"activation": tensor}, "fp32"), loss
 
 
-def wrong_shape(result: Result) -> tuple[bytes, float]:
+def wrong_shape(result: Result) -> Answered:
     return codecs.encode({"activation": torch.zeros(3, 7)}, "fp32"), 0.0
 
 
-def garbage(result: Result) -> tuple[bytes, float]:
+def garbage(result: Result) -> Answered:
     return b"\xff" * 64, 0.0
 
 
-def scaled_activation(result: Result) -> tuple[bytes, float]:
+def scaled_activation(result: Result) -> Answered:
     """Well-formed but not what the stage computes: only the server's recomputation can tell."""
     payload, loss = honest(result)
     return codecs.encode({"activation": 2 * codecs.decode(payload)[0]["activation"]}, "fp32"), loss
@@ -203,6 +209,16 @@ def test_a_hostile_stage_result_is_invalid_and_its_unit_reissued(
     assert reissued is not None and reissued.work_unit_id == unit.pk
     assert send(ann, reissued).status == "valid"
     assert not CreditEntry.objects.filter(volunteer__user=mallory).exists()
+
+
+def test_a_loss_claimed_for_a_unit_without_one_is_not_stored(researcher: User, digits_dataset: Any) -> None:
+    """Pages before null losses sent 0 for stage units without one: still valid, and no loss stored."""
+    pipeline_project(researcher, digits_dataset, pipeline_stages=2)
+    (ann,) = users("ann")
+    result = offer(ann)
+    assert result is not None and result.work_unit.stage_kind == "forward"
+    assert send(ann, result, lambda unit: (honest(unit)[0], 0.0)).status == "valid"
+    assert Result.objects.get(pk=result.pk).loss is None
 
 
 def test_results_for_an_unknown_unit_or_another_volunteers_unit_are_refused(
@@ -254,7 +270,7 @@ def forward_then(project: Project, volunteers: list[User]) -> Result:
     raise AssertionError("no backward unit came")
 
 
-def wrong_grads(result: Result) -> tuple[bytes, float]:
+def wrong_grads(result: Result) -> Answered:
     payload, loss = honest(result)
     grad, _ = stages.payload_split(payload)
     return stages.backward_payload(
@@ -262,18 +278,23 @@ def wrong_grads(result: Result) -> tuple[bytes, float]:
     ), loss
 
 
-def flipped_grads(result: Result) -> tuple[bytes, float]:
+def flipped_grads(result: Result) -> Answered:
     payload, loss = honest(result)
     grad, grads = stages.payload_split(payload)
     flipped = {k: -v for k, v in codecs.decode(grads)[0].items()}
     return stages.backward_payload(input_grad=grad, grads=codecs.encode(flipped, "fp32")), loss
 
 
-def overlong_prefix(result: Result) -> tuple[bytes, float]:
+def overlong_prefix(result: Result) -> Answered:
     return stages.LENGTH.pack(2**60) + b"x", 0.0
 
 
-@pytest.mark.parametrize("answer", [wrong_grads, flipped_grads, overlong_prefix])
+def no_loss(result: Result) -> Answered:
+    """The last stage's unit computes the loss: one without it is no answer."""
+    return honest(result)[0], None
+
+
+@pytest.mark.parametrize("answer", [wrong_grads, flipped_grads, overlong_prefix, no_loss])
 def test_a_hostile_backward_result_is_invalid(researcher: User, digits_dataset: Any, answer: Answer) -> None:
     project = pipeline_project(researcher, digits_dataset, micro_batches=1)
     ann, mallory = users("ann", "mallory")
@@ -384,7 +405,7 @@ def test_batch_norm_statistics_train_like_torch_on_the_unsplit_model(
         torch.testing.assert_close(published[name], value, rtol=1e-5, atol=1e-5, msg=name)
 
 
-def rewritten(result: Result, change: Callable[[dict[str, Any]], dict[str, Any]]) -> tuple[bytes, float]:
+def rewritten(result: Result, change: Callable[[dict[str, Any]], dict[str, Any]]) -> Answered:
     """The honest backward frame with its gradients and statistics passed through `change`."""
     payload, loss = honest(result)
     grad, tensors = stages.payload_split(payload)
@@ -392,7 +413,7 @@ def rewritten(result: Result, change: Callable[[dict[str, Any]], dict[str, Any]]
     return stages.backward_payload(input_grad=grad, grads=codecs.encode(changed, "fp32")), loss
 
 
-def without_buffers(result: Result) -> tuple[bytes, float]:
+def without_buffers(result: Result) -> Answered:
     return rewritten(result, lambda tensors: {k: v for k, v in tensors.items() if "running" not in k})
 
 
@@ -406,7 +427,7 @@ def test_a_backward_result_without_its_stages_statistics_is_invalid(
     assert outcome.status == "invalid" and "trained buffers" in outcome.reason, outcome
 
 
-def stale_buffers(result: Result) -> tuple[bytes, float]:
+def stale_buffers(result: Result) -> Answered:
     """The statistics the unit was sent, as a volunteer that dropped its forward's updates would report."""
     sent = result.work_unit.stage_weights
     assert sent is not None

@@ -53,7 +53,7 @@ class Peers:
         return data
 
 
-def ring_answer(peers: Peers, result: Result) -> tuple[bytes, float, str]:
+def ring_answer(peers: Peers, result: Result) -> tuple[bytes, float | None, str]:
     """The frame, the loss and the digest of what went by the ring ('' when the payload was uploaded)."""
     message = protocol.assign_message(result)["work_unit"]
     assert 0 <= message["stage"]["seed"] < 2**53  # a JSON number a browser reads exactly
@@ -83,7 +83,9 @@ def ring_answer(peers: Peers, result: Result) -> tuple[bytes, float, str]:
     return frame, loss, digest
 
 
-def receive(user: User, result: Result, frame: bytes, loss: float, digest: str) -> lifecycle.ResultOutcome:
+def receive(
+    user: User, result: Result, frame: bytes, loss: float | None, digest: str
+) -> lifecycle.ResultOutcome:
     """The result frame as a volunteer sends it (`digest`: what it sent by the ring, or '')."""
     return lifecycle.result_receive(
         user=user,

@@ -182,12 +182,14 @@ function contributePage({ storedId = null } = {}) {
     status_reconnecting: "%(why)s, retrying in %(seconds)s s…", throttled: "Too many connections",
     connection_lost: "Connection lost", log_unknown_type: "unknown message type %(type)s",
     log_bad_message: "bad server message: %(error)s",
+    log_result: "work unit %(id)s: %(samples)s samples, loss %(loss)s, %(compute)s ms compute, %(download)s ms download",
+    recent_average: "%(credit)s crédits/jour", decimal_separator: ",", thousand_separator: "\u00a0",
   });
   class Worker { constructor() { page.workers.push(this); } postMessage() {} terminate() {} }
   class WebSocket {
     static OPEN = 1;
     constructor(url) { this.url = url; this.readyState = 0; page.sockets.push(this); }
-    send(text) { page.sent.push(JSON.parse(text)); }
+    send(data) { if (typeof data === "string") page.sent.push(JSON.parse(data)); } // not a result's bytes
     close() {}
   }
   const localStorage = { getItem: () => page.stored, setItem: (key, value) => { page.stored = value; } };
@@ -258,4 +260,37 @@ test("the Contribute page waits a minute after the spec's throttled close code, 
   dropped.sockets[0].onclose({ code: 1006 });
   assert.match(dropped.$("status").textContent, /Connection lost/);
   assert.ok(dropped.timers.at(-1) < 2000);
+});
+
+const workerResult = (id, loss) => ({
+  type: "result", work_unit: id, model_version: 1, samples: 8, loss, timings: { download_ms: 1, compute_ms: 2 },
+  step: { start: 0, end: 2 }, rest_ms: 0, bytes: new ArrayBuffer(1),
+});
+
+test("the Contribute page logs no loss for a unit without one, and sends null for it", () => {
+  const page = contributePage();
+  const receive = connected(page);
+  receive({ type: "welcome", volunteer: { username: "ann", credit_flops: 0 } });
+  page.workers[0].onmessage({ data: workerResult(1, null) }); // a pipeline stage unit but the last stage's
+  assert.match(page.lines.at(-1), /work unit 1: 8 samples, loss —, /);
+  page.workers[0].onmessage({ data: workerResult(2, 0) }); // a real 0 still shows
+  assert.match(page.lines.at(-1), /work unit 2: 8 samples, loss 0\.0000, /);
+  assert.deepStrictEqual(page.sent.filter((m) => m.type === "result").map((m) => m.loss), [null, 0]);
+});
+
+test("the Contribute page shows the server's recent average with the highest total, as the template does", () => {
+  const page = contributePage();
+  const receive = connected(page);
+  const shown = () => page.$("recent-average").textContent;
+  receive({ type: "welcome", volunteer: { username: "ann", credit_flops: 10, recent_credit: 1234.6 } });
+  assert.equal(shown(), "1\u00a0235 crédits/jour");
+  const verdict = { type: "credit", work_unit: 1, status: "valid", credit_flops: 5, total_credit_flops: 15 };
+  receive({ ...verdict, recent_credit: 0.000116 });
+  assert.equal(shown(), "0,000116 crédits/jour");
+  assert.equal(page.$("recent-average").dataset.credit, "0.000116");
+  // An ack read before that grant, arriving after it: its average would undo the grant.
+  receive({ type: "ack", work_unit: 2, accepted: true, status: "pending", total_credit_flops: 10, recent_credit: 1 });
+  assert.equal(shown(), "0,000116 crédits/jour");
+  receive({ ...verdict, total_credit_flops: 20, recent_credit: 12.345 });
+  assert.equal(shown(), "12,35 crédits/jour");
 });

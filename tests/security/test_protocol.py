@@ -506,6 +506,7 @@ def test_connects_are_throttled_per_address(
 
 def test_the_schemas_are_the_spec_files_client_messages() -> None:
     assert set(protocol.SCHEMAS) == set(spec.PROTOCOL["client_messages"])
-    event = {"work_unit": 1, "status": "valid", "reason": "", "credit_flops": 0, "total_credit_flops": 0}
+    credit = {"credit_flops": 0, "total_credit_flops": 0, "recent_credit": 0.0}
+    event = {"work_unit": 1, "status": "valid", "reason": "", **credit}
     for message in (protocol.error_message("busy", "later"), protocol.credit_message(event)):
         assert message["type"] in spec.PROTOCOL["server_messages"]

@@ -41,6 +41,8 @@
     pause_while_active: false, source: "default", limits: {},
   };
   const STRINGS = readStrings();
+  const DECIMAL_SEPARATOR = STRINGS.decimal_separator || "."; // the server's `credit` filter's, in this language
+  const THOUSAND_SEPARATOR = STRINGS.thousand_separator || ",";
   const PAGE_TITLE = document.title;
 
   let battery = null; // navigator.getBattery()'s manager, where the browser has one
@@ -102,9 +104,33 @@
     el.textContent = formatFlops(flops);
   }
 
-  // Acks and verdicts may cross on the wire; the total only ever grows.
-  function raiseCredit(total) {
-    if (total !== undefined && total >= Number($("credit").dataset.flops || 0)) setFlops("credit", total);
+  // Same rule as the server's `credit` filter (format_credit): whole numbers from 100 on, 2 decimals from 1,
+  // 3 significant digits below; grouped, with the separators of the page's language.
+  function formatCredit(value) {
+    if (!Number.isFinite(value) || value === 0) return "0";
+    const magnitude = Math.abs(value);
+    const places = magnitude >= 100 ? 0 : magnitude >= 1 ? 2 : Math.min(12, 2 - Math.floor(Math.log10(magnitude)));
+    const [whole, fraction] = magnitude.toFixed(places).split(".");
+    const grouped = whole.replace(/\B(?=(\d{3})+$)/g, THOUSAND_SEPARATOR);
+    return `${value < 0 ? "-" : ""}${grouped}${fraction ? DECIMAL_SEPARATOR + fraction : ""}`;
+  }
+
+  // The recent average credit as the server computed it (credit per day): the page cannot, it lacks the
+  // stored average and its time.
+  function setRecentAverage(recent) {
+    if (typeof recent !== "number" || !Number.isFinite(recent)) return; // from a server that sends none
+    const el = $("recent-average");
+    el.dataset.credit = String(recent);
+    el.textContent = t("recent_average", { credit: formatCredit(recent) });
+  }
+
+  // Acks and verdicts may cross on the wire; the total only ever grows. The recent average was read with
+  // the total: one that came with a lower total would undo a grant.
+  function raiseCredit(msg) {
+    const total = msg.total_credit_flops;
+    if (total === undefined || total < Number($("credit").dataset.flops || 0)) return;
+    setFlops("credit", total);
+    setRecentAverage(msg.recent_credit);
   }
 
   function addCreditToday(flops) {
@@ -390,7 +416,10 @@
       s.welcomed = true;
       flushOutbox();
       askForWork(); // at open it waited if results were queued (askForWork sends those first)
-      if (msg.volunteer) setFlops("credit", msg.volunteer.credit_flops || 0);
+      if (msg.volunteer) {
+        setFlops("credit", msg.volunteer.credit_flops || 0);
+        setRecentAverage(msg.volunteer.recent_credit);
+      }
       log(t("log_connected", { username: msg.volunteer ? msg.volunteer.username : "" }));
       if (msg.preferences) applyPreferences(msg.preferences);
     },
@@ -434,7 +463,7 @@
       } else {
         log(t("log_not_used", { id: msg.work_unit, reason: msg.reason || msg.status || t("no_reason") }), true);
       }
-      raiseCredit(msg.total_credit_flops);
+      raiseCredit(msg);
     },
     // The verdict arrives once the server has validated the update (see docs/protocol.md).
     credit(msg) {
@@ -444,7 +473,7 @@
       } else {
         log(t("log_verdict", { id: msg.work_unit, status: msg.status, reason: msg.reason || t("no_reason") }), true);
       }
-      raiseCredit(msg.total_credit_flops);
+      raiseCredit(msg);
     },
     idle(msg) {
       s.idle = PROTOCOL.idle_reasons.includes(msg.reason) ? msg.reason : "no_work";
@@ -563,7 +592,8 @@
     showWork();
     updateRate(msg);
     log(t("log_result", {
-      id: msg.work_unit, samples: msg.samples, loss: msg.loss.toFixed(4),
+      // null: the unit computes no loss (a pipeline stage's but the last); a real 0 still shows.
+      id: msg.work_unit, samples: msg.samples, loss: msg.loss === null ? "—" : msg.loss.toFixed(4),
       compute: msg.timings.compute_ms, download: msg.timings.download_ms,
     }));
     s.outbox.push(msg);

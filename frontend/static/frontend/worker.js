@@ -12,7 +12,7 @@
 // (compute / (compute + rest) = percent), so a pause stops training within the unit being computed.
 //   worker -> page  {type: "ready", backend, gflops}
 //                   {type: "started", work_unit}
-//                   {type: "result", work_unit, model_version, samples, loss,
+//                   {type: "result", work_unit, model_version, samples, loss (null: the unit has none),
 //                    timings: {download_ms, compute_ms}, bytes: ArrayBuffer (transferred),
 //                    weights_by: "cache" | "delta" | "download" (how its weights came: protocol.md, assign),
 //                    step: {start, end} (this worker's performance.now()), rest_ms (before the next unit),
@@ -362,7 +362,7 @@ async function stageTask(model, assign, d) {
       const r = ct.pipeline.stageForward(model, one, { seed: st.seed, training: true });
       made.push(r.output, ...Object.values(r.buffers));
       const out = await encodedActivation(r.output, "activation", codec);
-      return { bytes: byRing ? new Uint8Array(0) : out, sent: byRing ? out : null, loss: 0, samples: assign.batch_size };
+      return { bytes: byRing ? new Uint8Array(0) : out, sent: byRing ? out : null, loss: null, samples: assign.batch_size };
     }
     let outputGrad;
     if (!st.last) {
@@ -378,7 +378,7 @@ async function stageTask(model, assign, d) {
     // The stage's batch-norm statistics after the recomputed forward go beside the parameter gradients,
     // named as the buffers: the server applies them, and refuses a result of such a stage without them.
     const grads = await encodedGrads({ ...r.grads, ...r.buffers });
-    const loss = r.loss ? (await r.loss.data())[0] : 0;
+    const loss = r.loss ? (await r.loss.data())[0] : null; // only the last stage computes one
     const sent = byRing && inputGrad.length ? inputGrad : null;
     return { bytes: framed(sent ? new Uint8Array(0) : inputGrad, grads), sent, loss, samples: assign.batch_size };
   } finally {
