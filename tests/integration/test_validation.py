@@ -408,6 +408,83 @@ def test_a_small_unit_after_a_large_one_passes_with_the_residual_it_carries(
     assert judged(small).spot_checked
 
 
+def _topk_large_then_small(project: Project, user: User) -> tuple[codecs.ErrorFeedback, Result, bytes]:
+    """A device's honest averaging unit of 800 samples (16 local steps), sent through topk with error
+    feedback and valid, then, in the same round, one 16x smaller (a round's last samples): returned assigned,
+    with the device's feedback (its residual carried from the large unit) and the large unit's bytes."""
+    Project.objects.filter(pk=project.pk).update(
+        codec="topk", mode="averaging", local_batch_size=50, batch_size=800, round_samples=1600
+    )
+    WorkUnit.objects.filter(project=project).delete()
+    lifecycle.work_units_feed(project_id=project.pk)
+    device = Device.objects.create(volunteer=Volunteer.objects.create(user=user), backend="webgl")
+    feedback = codecs.ErrorFeedback("topk")
+    first = _sized(user, device, 800)
+    large = feedback.compress(recompute(work_unit=first.work_unit))
+    assert receive(user, first, large).status == "valid"
+    return feedback, _sized(user, device, 50), large
+
+
+def _sized(user: User, device: Device, count: int) -> Result:
+    """A work unit assigned to `device`, made `count` samples long."""
+    result = lifecycle.work_unit_assign(user=user, device=device)
+    assert result is not None
+    WorkUnit.objects.filter(pk=result.work_unit_id).update(count=count, reference=None)
+    result.work_unit.refresh_from_db()
+    return result
+
+
+def test_a_small_topk_unit_after_a_large_one_passes_with_the_residual_it_carries(
+    mlp_project: Project, volunteer_user: User
+) -> None:
+    """Error feedback carries what topk left out of the large unit into the small one, and an honest small
+    update is then mostly that residual: its cosine with the server's recomputation falls and its norm
+    ratio rises far past TOPK_MAX_NORM_RATIO (here cosine 0.21, norm ratio 21). It was refused as an attack;
+    the allowance from the device's previous valid update (its update_norm) lets it through."""
+    feedback, small, _ = _topk_large_then_small(mlp_project, volunteer_user)
+    delta = recompute(work_unit=small.work_unit)
+    honest = feedback.compress(delta)
+    project = small.work_unit.project
+    decoded = codecs.decode(honest)[0]
+    problem = validation._disagreement(project=project, update=decoded, reference=delta, against="x")
+    assert problem and "norm ratio" in problem  # without the allowance
+    outcome = receive(volunteer_user, small, honest)
+    assert outcome.status == "valid", outcome.reason
+    assert judged(small).spot_checked
+
+
+@pytest.mark.parametrize("how", ["sign_flip", "scaled", "random", "scaled_x100", "replay", "replay_altered"])
+def test_attacks_right_after_a_large_topk_unit_are_still_refused(
+    mlp_project: Project, volunteer_user: User, how: str
+) -> None:
+    """The allowance for the residual must not open the check: after a large honest unit, an attacker's small
+    update is refused whether it flips or scales (10x) what it would send, sends noise of that norm, scales
+    the true update 100x (tampered), or replays its large update (the same bytes, or altered so they differ:
+    refused by CARRIED_ALIGNMENT, component 8.9 against 6.3 allowed)."""
+    feedback, small, large = _topk_large_then_small(mlp_project, volunteer_user)
+    sent = codecs.decode(feedback.compress(recompute(work_unit=small.work_unit)))[0]
+    if how in ("sign_flip", "scaled"):
+        payload = _topk({k: (-1 if how == "sign_flip" else 10) * v for k, v in sent.items()})
+    elif how == "random":
+        torch.manual_seed(0)
+        noise = {k: torch.randn_like(v) for k, v in sent.items()}
+        payload = _topk({k: v * _flat_norm(sent) / _flat_norm(noise) for k, v in noise.items()})
+    elif how == "scaled_x100":
+        payload = tampered(small.work_unit, "scaled")
+    elif how == "replay":
+        payload = large
+    else:
+        payload = _topk({k: 1.001 * v for k, v in codecs.decode(large)[0].items()})
+    outcome = receive(volunteer_user, small, payload)
+    assert outcome.status == "invalid", outcome.reason
+    assert ("replay" in outcome.reason) is (how == "replay")
+
+
+def _topk(update: dict[str, torch.Tensor]) -> bytes:
+    """topk as browsers send it (their blocks: codecs.ErrorFeedback's)."""
+    return codecs.encode(update, "topk", codecs.default_block_size("topk"))
+
+
 def _flat_norm(tensors: Any) -> float:
     return math.sqrt(sum(float((t.double() ** 2).sum()) for t in tensors.values()))
 
