@@ -365,6 +365,7 @@ class _Kept:
 
 
 _published: OrderedDict[int, _Kept] = OrderedDict()
+_saving: list[threading.Thread] = []  # savers started and maybe still running (guarded by _published_lock)
 _published_lock = threading.Lock()
 
 
@@ -400,10 +401,20 @@ def _keep(*, version: ModelVersion, weights: Tensors, state: Tensors) -> None:
         )
         saver.start()
     with _published_lock:
+        _saving[:] = [*(s for s in _saving if s.is_alive()), *([saver] if saver else [])]
         _published[version.project_id] = _Kept(version.pk, version.weights_id, weights, state, saver)
         _published.move_to_end(version.project_id)
         while len(_published) > PUBLISHED_KEPT:
             _published.popitem(last=False)
+
+
+def state_saves_wait() -> None:
+    """Wait until every optimizer state being stored is stored: the next step does so for its own version
+    (_owned), and tests before their database is emptied under a saver (the flush deadlocked with it)."""
+    with _published_lock:
+        savers = list(_saving)
+    for saver in savers:
+        saver.join()
 
 
 def _state_save(*, version_id: int, state: Tensors) -> None:
