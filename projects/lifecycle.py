@@ -224,22 +224,32 @@ def work_unit_offer(
         )
     with transaction.atomic():
         limits = fitting.limits_for(device=device, preferences=preferences, memory_mb=memory_mb)
+        order = shares_order()  # once: every try below ranks the projects the same way
         work_unit, samples, why = _fitting_work_unit(
-            user=user, preferences=preferences, limits=limits, device_id=device.pk if device else None
+            user=user,
+            preferences=preferences,
+            limits=limits,
+            order=order,
+            device_id=device.pk if device else None,
         )
         if work_unit is None:
             return Offer(None, why)
         result = _send(
             work_unit=work_unit, samples=samples, user=user, volunteer=volunteer, device=device, limits=limits
         )
-        why = _why_chosen(work_unit=work_unit, user=user, preferences=preferences)
+        why = _why_chosen(work_unit=work_unit, user=user, preferences=preferences, running=len(order))
         # Last: every assignment charges the project's usage row, which then stays locked until the commit.
         usage_charge(project_id=work_unit.project_id, flops=stages.unit_flops(work_unit=work_unit))
         return Offer(result, why)
 
 
 def _fitting_work_unit(
-    *, user: User, preferences: Preferences, limits: fitting.Limits, device_id: int | None = None
+    *,
+    user: User,
+    preferences: Preferences,
+    limits: fitting.Limits,
+    order: list[int],
+    device_id: int | None = None,
 ) -> tuple[WorkUnit | None, int, str]:
     """The next open work unit of an allowed project that fits, with the samples that fit. A work unit that
     does not fit rules out its project for this request, unless it could fit once split (only fresh ones
@@ -247,7 +257,7 @@ def _fitting_work_unit(
     stage (projects/swarms.py)."""
     allowed, why = preferences.project_filter(), "no_work"
     for _ in range(MAX_FIT_TRIES):
-        work_unit = _next_open_work_unit(user=user, allowed=allowed, device_id=device_id)
+        work_unit = _next_open_work_unit(user=user, order=order, allowed=allowed, device_id=device_id)
         if work_unit is None:
             return None, 0, why
         fit = fitting.fit(work_unit=work_unit, limits=limits)
@@ -308,9 +318,12 @@ def _instance(*, work_unit: WorkUnit, user: User, device: Device | None, deadlin
     return old
 
 
-def _why_chosen(*, work_unit: WorkUnit, user: User, preferences: Preferences) -> str:
+def _why_chosen(*, work_unit: WorkUnit, user: User, preferences: Preferences, running: int) -> str:
+    """`running`: how many projects run (shares_order); with one, no other could have had work."""
     if preferences.single_choice:
         return "choice"
+    if running <= 1:
+        return "only"
     others = (
         _sendable()
         .filter(preferences.project_filter())
@@ -355,14 +368,13 @@ def work_sendable() -> bool:
 
 
 def _next_open_work_unit(
-    *, user: User, allowed: Q | None = None, device_id: int | None = None
+    *, user: User, order: list[int], allowed: Q | None = None, device_id: int | None = None
 ) -> WorkUnit | None:
     """The project furthest below its resource share that has work for `user` (shares.py), and its oldest
     open round's work first, so that each project's round keeps moving. One query over the open work units
     (one round's worth per project, fed by the feeder) whatever the history. `allowed`: a condition on the
     work units (the volunteer's choice of projects, those that did not fit). Stage units: those the device's
-    swarm membership allows, its own stage's first (projects/swarms.py)."""
-    order = shares_order()
+    swarm membership allows, its own stage's first (projects/swarms.py). `order`: shares.shares_order()."""
     if not order:
         return None
     rank = Case(
