@@ -62,10 +62,20 @@ Tensors = dict[str, torch.Tensor]
 
 THROTTLED_WAIT_S = 20.0  # after a connect refused with 4429 (the server counts connects per minute)
 MAX_RETRIES = 8  # consecutive reconnects without a single ack before the volunteer gives up
+# After a close 4503 (the server is busy admitting others, config/admission.py): as backoff.js's
+# RETRY_LATER_MS, plus jitter. Not a failure, as for the browser, which keeps coming back.
+RETRY_LATER_S = 5.0
+RETRY_LATER_CODE: int = spec.PROTOCOL["close_codes"]["retry_later"]
 
 
 class SimulatorError(RuntimeError):
     """The simulated volunteer cannot go on (login refused, server gone, protocol violated)."""
+
+
+def _told_to_retry_later(exc: BaseException) -> bool:
+    """Whether the server closed the socket with 4503 (retry later)."""
+    closed = exc.rcvd if isinstance(exc, ConnectionClosed) else None
+    return closed is not None and closed.code == RETRY_LATER_CODE
 
 
 class _ServerClosed(Exception):
@@ -590,6 +600,10 @@ class Simulator:
             self.throttled = False
             logger.info("%s: connects throttled; waiting %.0f s", self.config.username, THROTTLED_WAIT_S)
             await asyncio.sleep(THROTTLED_WAIT_S * (0.75 + self.random.random() / 2))
+            return
+        if _told_to_retry_later(exc):
+            logger.info("%s: the server is busy admitting others; retrying later", self.config.username)
+            await asyncio.sleep(RETRY_LATER_S + self.random.random() * min(10.0, 0.25 * 2**self.retries))
             return
         self.retries += 1
         if self.retries > MAX_RETRIES:
