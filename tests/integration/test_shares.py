@@ -126,12 +126,17 @@ def test_choosing_a_project_costs_the_same_queries_however_many_projects_and_his
         return [q["sql"] for q in queries.captured_queries], seconds
 
     assign_queries()  # the first one also creates the volunteer's profile
+    alone, _ = assign_queries()
+    second_project(researcher, mlp_project.dataset, name="MLP 0", round_samples=2_000)
     few, _ = assign_queries()
-    for i in range(6):
+    for i in range(1, 6):
         second_project(researcher, mlp_project.dataset, name=f"MLP {i}", round_samples=2_000)
     many, seconds = assign_queries()
     assert len(many) == len(few), "\n\n".join(many)
-    assert ProjectUsage.objects.count() == 2  # one row per project sent work so far
+    # With one project running, "why this project" needs no EXISTS: no other could have had work.
+    assert len(alone) == len(few) - 1
+    sent_to = Result.objects.values("work_unit__project").distinct().count()
+    assert ProjectUsage.objects.count() == sent_to  # one row per project sent work so far
     assert seconds < 1.0
 
 
