@@ -365,8 +365,8 @@ class _Kept:
 
 
 _published: OrderedDict[int, _Kept] = OrderedDict()
-_saving: list[threading.Thread] = []  # savers started and maybe still running (guarded by _published_lock)
 _published_lock = threading.Lock()
+SAVER_NAME = "state-save"  # the threads storing optimizer states (state_saves_wait finds them by it)
 
 
 def _owned(*, version: ModelVersion) -> tuple[Tensors, Tensors]:
@@ -397,11 +397,10 @@ def _keep(*, version: ModelVersion, weights: Tensors, state: Tensors) -> None:
     saver = None
     if state:
         saver = threading.Thread(
-            target=_state_save, kwargs={"version_id": version.pk, "state": state}, name="state-save"
+            target=_state_save, kwargs={"version_id": version.pk, "state": state}, name=SAVER_NAME
         )
         saver.start()
     with _published_lock:
-        _saving[:] = [*(s for s in _saving if s.is_alive()), *([saver] if saver else [])]
         _published[version.project_id] = _Kept(version.pk, version.weights_id, weights, state, saver)
         _published.move_to_end(version.project_id)
         while len(_published) > PUBLISHED_KEPT:
@@ -411,10 +410,9 @@ def _keep(*, version: ModelVersion, weights: Tensors, state: Tensors) -> None:
 def state_saves_wait() -> None:
     """Wait until every optimizer state being stored is stored: the next step does so for its own version
     (_owned), and tests before their database is emptied under a saver (the flush deadlocked with it)."""
-    with _published_lock:
-        savers = list(_saving)
-    for saver in savers:
-        saver.join()
+    for thread in threading.enumerate():
+        if thread.name == SAVER_NAME:
+            thread.join()
 
 
 def _state_save(*, version_id: int, state: Tensors) -> None:

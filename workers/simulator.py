@@ -548,12 +548,12 @@ class Simulator:
     async def weights(self, unit: Unit) -> bytes:
         """The unit's weights, built as browsers build them from the previous version's (when held) and the
         server's delta; checked against the content address, and downloaded whole if they differ."""
-        delta = unit.weights_delta
-        base = self.cache.get(delta["base_url"]) if delta and not self.cache.get(unit.weights_url) else None
+        delta, held = unit.weights_delta, self.cache.get(unit.weights_url)
+        base = self.cache.get(delta["base_url"]) if delta and held is None else None
         if delta is None or base is None:
-            return await self.download(unit.weights_url)
-        held = codecs.apply_delta(codecs.decode(base)[0], await self.download(delta["url"]))
-        data = codecs.encode(held)
+            return held if held is not None else await self.download(unit.weights_url)
+        built = codecs.apply_delta(codecs.decode(base)[0], await self.download(delta["url"]))
+        data = codecs.encode(built)
         if hashlib.sha256(data).hexdigest() != urllib.parse.urlsplit(unit.weights_url).path.split("/")[-1]:
             logger.warning("weights built from a delta differ from %s; downloading them", unit.weights_url)
             return await self.download(unit.weights_url)
