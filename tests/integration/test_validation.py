@@ -52,6 +52,15 @@ def test_bad_updates_are_invalid_earn_nothing_and_are_resent(
     assert WorkUnit.objects.get(pk=result.work_unit_id).wanted == 1
 
 
+def test_a_data_parallel_result_without_a_loss_is_invalid(mlp_project: Project, volunteer_user: User) -> None:
+    """The protocol admits a null loss for pipeline stage units that compute none; a data-parallel unit
+    always computes one, so a volunteer sending null there is refused, not averaged in as a loss of 0."""
+    result = assign(volunteer_user)
+    outcome = receive(volunteer_user, result, loss=None)
+    assert outcome.status == "invalid" and outcome.credit_flops == 0
+    assert judged(result).reason == "the loss is not a finite number"
+
+
 @pytest.mark.parametrize("problem", ["garbage", "samples"])
 def test_malformed_results_are_invalid(mlp_project: Project, volunteer_user: User, problem: str) -> None:
     result = assign(volunteer_user)

@@ -37,7 +37,11 @@ def tampered(work_unit: WorkUnit, how: str) -> bytes:
 
 
 def receive(
-    user: User, result: Result, payload: bytes | None = None, samples: int | None = None, loss: float = 1.0
+    user: User,
+    result: Result,
+    payload: bytes | None = None,
+    samples: int | None = None,
+    loss: float | None = 1.0,
 ) -> ResultOutcome:
     """Upload an update for an assigned instance; Celery runs eagerly, so it is validated at once."""
     work_unit = result.work_unit
