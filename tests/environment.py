@@ -7,6 +7,7 @@ tests start real worker processes with their own environment.
 
 import os
 import tempfile
+from pathlib import Path
 
 os.environ.setdefault("DATABASE_URL", "postgres://postgres@127.0.0.1:5432/crowdtrain")
 os.environ.setdefault("REDIS_URL", "redis://127.0.0.1:6379/15")
@@ -17,3 +18,33 @@ os.environ.setdefault("CROWDTRAIN_VAR_DIR", tempfile.mkdtemp(prefix="crowdtrain-
 # WhiteNoise warns on every request when STATIC_ROOT is missing; tests serve static files from the finders.
 os.makedirs(os.path.join(os.environ["CROWDTRAIN_VAR_DIR"], "static"), exist_ok=True)
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "config.settings")
+
+
+def _own_redis(worker: str) -> str:
+    """A Redis server of this worker's own, stopped when the worker exits: stacks FLUSHDB their database
+    numbers, which two workers sharing one server would do to each other."""
+    import atexit
+    import subprocess
+
+    from config import supervisor
+
+    port = supervisor.free_port()
+    data = tempfile.mkdtemp(prefix=f"crowdtrain-redis-{worker}-")
+    server = subprocess.Popen(supervisor.redis_argv(Path(data), port), stdout=subprocess.DEVNULL)
+    atexit.register(server.terminate)
+    if not supervisor.wait_for_port("127.0.0.1", port, 20, lambda: server.poll() is None):
+        raise RuntimeError(f"{worker}: redis-server did not start")
+    return f"redis://127.0.0.1:{port}"
+
+
+# Under pytest-xdist (`make test` runs two workers) each worker has its own databases and Redis: pytest-django
+# suffixes the test database with the worker's name, stacks prefix theirs, and every worker but the first
+# starts a Redis server, so that one worker's DROP DATABASE or FLUSHDB never hits another's.
+_WORKER = os.environ.get("PYTEST_XDIST_WORKER", "")
+if _WORKER:
+    _PREFIX = os.environ.get("CROWDTRAIN_STACK_DB_PREFIX", "")
+    os.environ["CROWDTRAIN_STACK_DB_PREFIX"] = f"{_PREFIX}{_WORKER}_"
+if _WORKER not in ("", "gw0"):
+    _SERVER = _own_redis(_WORKER)
+    os.environ["CROWDTRAIN_STACK_REDIS"] = _SERVER
+    os.environ["REDIS_URL"] = f"{_SERVER}/15"

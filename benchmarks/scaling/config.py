@@ -72,11 +72,13 @@ METHODS: dict[str, Method] = {
             "target_seconds": TARGET_SECONDS,
             "round_samples": LOCAL_MINIBATCH * UNITS_PER_ROUND,
             "round_timeout": 4 * TARGET_SECONDS,
+            "weights_delta_codec": "int8",  # as the demos: a device holding the last version gets its delta
         },
         f"the platform's crowd-sized rounds as in production: a round has a work unit for every connected "
         f"device (at least {UNITS_PER_ROUND}), each sized to take {TARGET_SECONDS} s of local SGD steps "
         "of 64 (lr 0.05, momentum 0.9) on that device, so the round grows with the fleet and its devices "
-        "finish together; outer Nesterov lr 1.0 momentum 0.9 on the sample-weighted mean delta; int8",
+        "finish together; outer Nesterov lr 1.0 momentum 0.9 on the sample-weighted mean delta; int8 "
+        "updates, weights down as int8 deltas",
     ),
 }
 

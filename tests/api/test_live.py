@@ -24,7 +24,6 @@ from devstack.stack import PYTHON, ROOT, Stack
 from tests.conftest import mnist_arrays, npz_bytes
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
-PORT = 8141  # helper 4's range (8140-8149)
 SETUP = """
 from tests.api.conftest import approved_researcher
 from accounts.services import api_token_create
@@ -51,7 +50,7 @@ class ApiStack(Stack):
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     with ApiStack(
-        var_dir=tmp_path_factory.mktemp("api-stack"), database="crowdtrain_e2e_h4", redis_db=13, port=PORT
+        var_dir=tmp_path_factory.mktemp("api-stack"), database="crowdtrain_e2e_h4", redis_db=13
     ) as running:
         yield running
 

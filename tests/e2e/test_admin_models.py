@@ -256,7 +256,6 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         var_dir=var_dir,
         database="crowdtrain_e2e_h2",
         redis_db=9,
-        port=8121,
         extra_env=env,
         startup_timeout=240,
     )

@@ -159,7 +159,6 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         var_dir=var_dir,
         database="crowdtrain_e2e_h5",
         redis_db=10,
-        port=8150,
         extra_env={"CROWDTRAIN_EVAL_EVERY": "1"},
         startup_timeout=240,
         # Staff approve the researcher's request (the real path to an account); the demo is paused so that
