@@ -1211,6 +1211,8 @@ def _name(key: Any) -> str:
 
 def _short(value: Any) -> str:
     v = value.value if isinstance(value, (With, Refuse)) else value
+    if callable(v) and hasattr(v, "__name__"):  # a function's repr has its address: the same in every worker
+        return v.__name__
     return type(v).__name__ if isinstance(v, (Tensor, nn.Module)) else repr(v)[:30]
 
 
