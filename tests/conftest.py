@@ -129,7 +129,11 @@ def launch_options() -> dict[str, Any]:
     return {"executable_path": CHROMIUM, "args": list(CHROMIUM_ARGS), "headless": True}
 
 
-@pytest.fixture(scope="session")
+# Per module, not per session: while a sync Playwright is open, its event loop is marked running in the main
+# thread, and Django then refuses every database call in that thread (SynchronousOnlyOperation). One
+# process runs database tests first (pytest-django's order), but `make test`'s xdist workers run whole test
+# files as they come, so a browser kept open past its file broke every later database test in its worker.
+@pytest.fixture(scope="module")
 def browser() -> Iterator[Any]:
     playwright_api = pytest.importorskip("playwright.sync_api")
     if not Path(CHROMIUM).exists():
@@ -142,11 +146,10 @@ def browser() -> Iterator[Any]:
 
 @pytest.fixture
 def own_browser() -> Iterator[Any]:
-    """A Playwright of the test's own, stopped when it ends, for live_server tests. The session's `browser`
-    keeps Playwright's event loop marked running in the main thread for the rest of the session, and every
-    later test of the live_server / transactional group (which pytest-django runs together, before the
-    database-free browser tests) would be refused by Django's async-safety check. Database-free tests
-    take the session's `browser`: a second sync Playwright in the same thread is refused."""
+    """A Playwright of the test's own, stopped when it ends, for live_server tests: the module's `browser`
+    keeps Playwright's event loop marked running in the main thread until its module ends, and Django's
+    async-safety check refuses a live_server test's database calls meanwhile. Database-free tests take the
+    module's `browser`: a second sync Playwright in the same thread is refused."""
     from playwright.sync_api import sync_playwright
 
     if not Path(CHROMIUM).exists():
@@ -159,7 +162,7 @@ def own_browser() -> Iterator[Any]:
 
 def run_async(coro: Any) -> Any:
     """asyncio.run in a thread of its own: Playwright's sync API keeps an event loop running in the main
-    thread for the whole session once a browser test has run, and asyncio.run refuses to nest in it."""
+    thread while a module's browser tests run, and asyncio.run refuses to nest in it."""
     from concurrent.futures import ThreadPoolExecutor
 
     with ThreadPoolExecutor(max_workers=1) as pool:

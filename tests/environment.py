@@ -24,13 +24,16 @@ def _own_redis(worker: str) -> str:
     """A Redis server of this worker's own, stopped when the worker exits: stacks FLUSHDB their database
     numbers, which two workers sharing one server would do to each other."""
     import atexit
+    import shutil
     import subprocess
 
     from config import supervisor
 
     port = supervisor.free_port()
     data = tempfile.mkdtemp(prefix=f"crowdtrain-redis-{worker}-")
-    server = subprocess.Popen(supervisor.redis_argv(Path(data), port), stdout=subprocess.DEVNULL)
+    argv = supervisor.redis_argv(Path(data), port)
+    argv[0] = shutil.which("redis-server") or argv[0]  # the machine's own Redis when it has one, as gw0 uses
+    server = subprocess.Popen(argv, stdout=subprocess.DEVNULL)
     atexit.register(server.terminate)
     if not supervisor.wait_for_port("127.0.0.1", port, 20, lambda: server.poll() is None):
         raise RuntimeError(f"{worker}: redis-server did not start")

@@ -39,7 +39,7 @@ from typing import Any
 import torch
 from safetensors.numpy import load as load_shard
 from websockets.asyncio.client import ClientConnection, connect
-from websockets.exceptions import ConnectionClosed, InvalidStatus
+from websockets.exceptions import ConnectionClosed, InvalidHandshake
 from websockets.typing import Origin
 
 from engine import activations, codecs, spec
@@ -587,8 +587,9 @@ class Simulator:
                 await self.session.run()
         except _Dropped:
             self.stats.dropped += 1
-        # InvalidStatus: daphne refuses the handshake (HTTP 500) while Redis is down; retry like a drop.
-        except (_ServerClosed, ConnectionClosed, InvalidStatus, OSError) as exc:
+        # InvalidHandshake: daphne refuses the handshake (HTTP 500) while Redis is down, or dies during it
+        # (the balancer's connection closes with no HTTP response); the browser retries either like a drop.
+        except (_ServerClosed, ConnectionClosed, InvalidHandshake, OSError) as exc:
             await self._reconnect_later(exc)
         finally:
             self.session = None

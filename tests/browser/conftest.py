@@ -1,4 +1,4 @@
-"""Shared browser fixtures: one headless Chromium per session and a static file server.
+"""Shared browser fixtures: one headless Chromium per test module and a static file server.
 
 The server maps the URL layout Django uses (/static/<app files>, /static/vendor/<npm files>) plus
 /harness/ (test pages) and /blobs/ (a temp dir standing in for content-addressed blobs), so the
@@ -70,7 +70,7 @@ def static_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[StaticSe
     server.httpd.server_close()
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")  # as `browser` (tests/conftest.py)
 def harness(browser: Any, static_server: StaticServer) -> Iterator[Any]:
     """A page with TF.js and the engine scripts loaded; `harness` in the page is harness.js."""
     context = browser.new_context()

@@ -3,6 +3,8 @@ browser waits for it, and never counts towards giving up; other drops do. No ser
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 from websockets.exceptions import ConnectionClosedError
 from websockets.frames import Close
@@ -48,3 +50,23 @@ def test_other_drops_count_until_the_simulator_gives_up(monkeypatch: pytest.Monk
     with pytest.raises(SimulatorError, match="gave up"):
         run_async(many())
     assert sim.stats.reconnects == simulator.MAX_RETRIES
+
+
+def test_a_handshake_the_server_drops_is_a_reconnect(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A web process killed mid-handshake (behind a balancer: the TCP connection opens, then closes with no
+    HTTP response) is a drop like any other, as it is to the browser, not the end of the volunteer."""
+
+    async def no_wait(seconds: float) -> None:
+        return None
+
+    async def session() -> Simulator:
+        server = await asyncio.start_server(lambda _reader, writer: writer.close(), "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        sim = Simulator(SimulatorConfig(url=f"http://127.0.0.1:{port}"))
+        async with server:
+            monkeypatch.setattr(simulator.asyncio, "sleep", no_wait)
+            await sim._session()
+        return sim
+
+    sim = run_async(session())
+    assert sim.stats.reconnects == 1 and sim.retries == 1
