@@ -82,7 +82,7 @@ run: setup
 # Lint first: a tree that does not pass it is not tested (CI runs exactly this target). Two pytest-xdist
 # workers, a test file at a time each (a module's stack starts once); tests/environment.py gives each worker
 # its own databases and Redis. PYTEST_WORKERS=0 runs the suite in one process.
-PYTEST_WORKERS ?= 2
+PYTEST_WORKERS ?= 3
 test: setup-dev lint test-js
 	$(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
