@@ -6,7 +6,7 @@
 #                            extra pip index for the CPU build of torch, on machines whose pip
 #                            configuration does not already provide it
 #   PYTEST_ARGS="-m 'not browser'"   extra arguments for pytest
-#   PYTEST_WORKERS=2         pytest-xdist worker processes for `make test` (0: one process)
+#   PYTEST_WORKERS=3         pytest-xdist worker processes for `make test` (0: one process)
 
 SHELL := /bin/bash
 .SHELLFLAGS := -eu -o pipefail -c
@@ -79,7 +79,7 @@ setup-dev: $(DEV_STAMP) vendor
 run: setup
 	exec $(PY) manage.py runplatform
 
-# Lint first: a tree that does not pass it is not tested (CI runs exactly this target). Two pytest-xdist
+# Lint first: a tree that does not pass it is not tested (CI runs exactly this target). Three pytest-xdist
 # workers, a test file at a time each (a module's stack starts once); tests/environment.py gives each worker
 # its own databases and Redis. PYTEST_WORKERS=0 runs the suite in one process.
 PYTEST_WORKERS ?= 3

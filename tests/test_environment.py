@@ -1,4 +1,4 @@
-"""tests/environment.py: `make test` runs two pytest-xdist workers, and neither may touch the other's
+"""tests/environment.py: `make test` runs pytest-xdist workers, and none may touch another's
 databases or Redis (a stack's DROP DATABASE or FLUSHDB in one would break the other's tests)."""
 
 from __future__ import annotations
