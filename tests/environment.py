@@ -34,7 +34,13 @@ def _own_redis(worker: str) -> str:
     argv = supervisor.redis_argv(Path(data), port)
     argv[0] = shutil.which("redis-server") or argv[0]  # the machine's own Redis when it has one, as gw0 uses
     server = subprocess.Popen(argv, stdout=subprocess.DEVNULL)
-    atexit.register(server.terminate)
+
+    def stop() -> None:
+        server.terminate()
+        server.wait(10)
+        shutil.rmtree(data, ignore_errors=True)
+
+    atexit.register(stop)
     if not supervisor.wait_for_port("127.0.0.1", port, 20, lambda: server.poll() is None):
         raise RuntimeError(f"{worker}: redis-server did not start")
     return f"redis://127.0.0.1:{port}"
