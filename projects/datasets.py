@@ -55,7 +55,7 @@ from safetensors.numpy import load as safetensors_load
 from safetensors.numpy import save as safetensors_save
 
 from projects.blobs import blob_put
-from projects.models import Blob, Dataset, DatasetShard
+from projects.models import Blob, Dataset, DatasetShard, WorkUnit
 
 Kind = Dataset.Kind
 ALLOWED_KEYS = ("x", "y", "x_test", "y_test")
@@ -264,6 +264,56 @@ def dataset_load_split(*, dataset: Dataset, split: str) -> tuple[np.ndarray, np.
 def shard_load(*, shard: DatasetShard) -> tuple[np.ndarray, np.ndarray]:
     """A shard's arrays, read-only: they are cached, since every spot check of a work unit needs its shard."""
     return _shard_arrays(shard.blob)
+
+
+@dataclass(frozen=True)
+class ShardSlice:
+    """Samples [offset, offset + count) of one shard."""
+
+    shard: DatasetShard
+    offset: int
+    count: int
+
+
+def shard_slices(*, first: DatasetShard, offset: int, count: int) -> list[ShardSlice]:
+    """`count` samples of `first`'s split from `offset` in `first` on: a work unit larger than what is left
+    of its shard reads on into the following shards by index, and past the split's end from its start (as
+    the data cursor wraps), so a unit's size is set by its device (time, memory, download) and never by how
+    the dataset was cut (SHARD_SAMPLES): every unit costs a weights download and an update upload."""
+    if offset + count <= first.count:
+        return [ShardSlice(first, offset, count)]
+    split = DatasetShard.objects.filter(dataset_id=first.dataset_id, split=first.split).select_related("blob")
+    shards = list(split.order_by("index"))
+    at = next(i for i, shard in enumerate(shards) if shard.pk == first.pk)
+    slices, left = [ShardSlice(first, offset, first.count - offset)], count - (first.count - offset)
+    for shard in [*shards[at + 1 :], *shards[:at]]:
+        slices.append(ShardSlice(shard, 0, min(left, shard.count)))
+        left -= slices[-1].count
+        if left <= 0:
+            return slices
+    if left > offset:
+        raise DatasetError(f"{count:,} samples are more than the split holds.")
+    return [*slices, ShardSlice(first, 0, left)]
+
+
+def work_unit_slices(*, work_unit: WorkUnit) -> list[ShardSlice]:
+    return shard_slices(first=work_unit.shard, offset=work_unit.offset, count=work_unit.count)
+
+
+def shard_position(*, first: DatasetShard, offset: int) -> tuple[DatasetShard, int]:
+    """The shard and offset of sample `offset` counted from the start of `first` (which it may pass)."""
+    if offset < first.count:
+        return first, offset
+    last = shard_slices(first=first, offset=0, count=offset + 1)[-1]
+    return last.shard, last.offset + last.count - 1
+
+
+def slices_load(slices: list[ShardSlice]) -> tuple[np.ndarray, np.ndarray]:
+    """The samples of `slices`, in order: (x, y), copies the caller owns."""
+    parts = [(shard_load(shard=s.shard), slice(s.offset, s.offset + s.count)) for s in slices]
+    return np.concatenate([x[window] for (x, _), window in parts]), np.concatenate(
+        [y[window] for (_, y), window in parts]
+    )
 
 
 @lru_cache(maxsize=8)

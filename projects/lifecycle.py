@@ -19,6 +19,8 @@ FOR UPDATE, while the step waited for the validation's work unit, deadlocked.)
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import math
 import random
 from dataclasses import dataclass
@@ -35,6 +37,7 @@ from django.utils import timezone
 from engine import spec
 from projects import notify, stages, swarms
 from projects.blobs import blob_put
+from projects.datasets import shard_position
 from projects.models import DatasetShard, ModelVersion, Project, Result, WorkUnit
 from projects.shares import shares_order, usage_charge
 from workers import fitting
@@ -107,10 +110,11 @@ def _round_create(*, project: Project, version: ModelVersion, size: int, missing
     unit per volunteer, and two queries each (its shard, its row) made feeding 256 of them 512 round trips."""
     if missing <= 0:
         return 0
-    shards = {s.index: s for s in project.dataset.shards.filter(split=DatasetShard.Split.TRAIN)}
+    shards = list(project.dataset.shards.filter(split=DatasetShard.Split.TRAIN).order_by("index"))
+    starts = list(itertools.accumulate((s.count for s in shards[:-1]), initial=0))
     units = []
     while missing > 0:
-        units.append(_next_work_unit(project=project, version=version, size=size, shards=shards))
+        units.append(_next_work_unit(project=project, version=version, size=size, shards=(shards, starts)))
         missing -= units[-1].count
     WorkUnit.objects.bulk_create(units)
     return len(units)
@@ -169,15 +173,18 @@ def _samples_covered(*, project: Project, version: ModelVersion) -> int:
 
 
 def _next_work_unit(
-    *, project: Project, version: ModelVersion, size: int, shards: dict[int, DatasetShard]
+    *, project: Project, version: ModelVersion, size: int, shards: tuple[list[DatasetShard], list[int]]
 ) -> WorkUnit:
-    """The next unsaved work unit at the data cursor (moved past it). `shards`: training shards by index."""
+    """The next unsaved work unit at the data cursor (moved past it). `shards`: the training shards by index
+    and the sample each starts at. A unit may run on into the next shards, and past the split's end from its
+    start (datasets.shard_slices), but never holds a sample twice."""
     index = project.data_cursor % project.dataset.train_samples
-    shard_samples = settings.CROWDTRAIN["SHARD_SAMPLES"]
-    shard, offset = shards[index // shard_samples], index % shard_samples
-    count = min(size, shard.count - offset)
+    at = bisect.bisect_right(shards[1], index) - 1
+    count = min(size, project.dataset.train_samples)
     project.data_cursor += count
-    return WorkUnit(project=project, version=version, shard=shard, offset=offset, count=count)
+    return WorkUnit(
+        project=project, version=version, shard=shards[0][at], offset=index - shards[1][at], count=count
+    )
 
 
 # --- sending --------------------------------------------------------------------------------------
@@ -414,11 +421,12 @@ def _split_to_fit(*, work_unit: WorkUnit, samples: int) -> None:
     stage unit: its micro-batch is fixed by its step."""
     if work_unit.count <= samples or work_unit.total_results or work_unit.stage_kind:
         return
+    shard, offset = shard_position(first=work_unit.shard, offset=work_unit.offset + samples)
     WorkUnit.objects.create(
         project=work_unit.project,
         version=work_unit.version,
-        shard=work_unit.shard,
-        offset=work_unit.offset + samples,
+        shard=shard,
+        offset=offset,
         count=work_unit.count - samples,
     )
     work_unit.count = samples

@@ -345,9 +345,11 @@ class Project(models.Model):
     @property
     def max_unit_samples(self) -> int:
         """batch_size, except in crowd-sized averaging: its units hold as many local steps as target_seconds
-        allows (a unit never spans two shards), since batch_size would cap a small model at milliseconds."""
+        allows, up to the training split (a unit reads on across shards, datasets.shard_slices), since
+        batch_size would cap a small model at milliseconds. What a device's memory and download allow is
+        fitting's business."""
         if self.crowd_rounds and self.mode == self.Mode.AVERAGING:
-            return max(self.batch_size, int(settings.CROWDTRAIN["SHARD_SAMPLES"]))
+            return max(self.batch_size, self.dataset.train_samples)
         return self.batch_size
 
     def staleness_weight(self, *, staleness: int) -> float:
@@ -494,6 +496,11 @@ class WorkUnit(models.Model):
     @property
     def is_open(self) -> bool:
         return self.status == self.Status.OPEN
+
+    @property
+    def spans_shards(self) -> bool:
+        """Whether its samples run on past the end of its first shard (datasets.shard_slices)."""
+        return self.offset + self.count > self.shard.count
 
     def record_failure(self) -> None:
         """An instance timed out or was invalid: send another, unless this slice keeps failing."""

@@ -388,6 +388,17 @@ def _delta_base(*, project: Project, number: int) -> ModelVersion | None:
     return None if previous is None or previous.is_pruned else previous
 
 
+def version_rewire(*, version: ModelVersion) -> None:
+    """What volunteers download of `version` derived again from its project's codecs as they are now: for a
+    project whose columns were set after its version 0 was published (the scaling benchmark's template)."""
+    fields = _wire(project=version.project, number=version.number, weights=version_weights(version=version))
+    ModelVersion.objects.filter(pk=version.pk).update(
+        wire_weights=fields["wire_weights"],
+        wire_delta=fields.get("wire_delta"),
+        wire_base=fields.get("wire_base", ""),
+    )
+
+
 def version_weights(*, version: ModelVersion) -> Tensors:
     return codecs.decode(version.weights_blob.read())[0]
 

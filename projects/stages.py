@@ -212,7 +212,8 @@ def step_feed(*, project: Project, version: ModelVersion) -> int:
 
 
 def _next_slice(*, project: Project) -> tuple[DatasetShard, int, int]:
-    """The next micro-batch of the training split, within one shard (as lifecycle's work units)."""
+    """The next micro-batch of the training split, within one shard (a stage reads one slice; data-parallel
+    units may run across shards: datasets.shard_slices)."""
     index = project.data_cursor % project.dataset.train_samples
     per_shard = settings.CROWDTRAIN["SHARD_SAMPLES"]
     shard = project.dataset.shards.get(split=DatasetShard.Split.TRAIN, index=index // per_shard)

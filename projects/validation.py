@@ -53,7 +53,7 @@ from engine.graph import Graph
 from engine.runtime import compute_gradients, local_steps
 from projects import notify, pipeline, ring, stages, swarms
 from projects.blobs import blob_put, blob_view
-from projects.datasets import shard_load
+from projects.datasets import slices_load, work_unit_slices
 from projects.lifecycle import result_invalidate, result_reject, results_abandon, results_awaiting_quorum
 from projects.models import ModelVersion, Project, Result, WorkUnit
 from projects.services import project_graph, version_wire_weights
@@ -607,10 +607,9 @@ def recompute(*, work_unit: WorkUnit) -> dict[str, torch.Tensor]:
     """What an honest volunteer sends for this work unit, computed here with engine/."""
     project = work_unit.project
     graph = project_graph(project=project)
-    x, y = shard_load(shard=work_unit.shard)
-    window = slice(work_unit.offset, work_unit.offset + work_unit.count)
-    inputs = {graph.inputs[0].name: torch.from_numpy(x[window].copy())}
-    targets = {graph.targets[0].name: torch.from_numpy(y[window].copy())}
+    x, y = slices_load(work_unit_slices(work_unit=work_unit))
+    inputs = {graph.inputs[0].name: torch.from_numpy(x)}
+    targets = {graph.targets[0].name: torch.from_numpy(y)}
     weights = version_wire_weights(version=work_unit.version)
     if project.task == "local_steps":
         return local_steps(

@@ -220,7 +220,10 @@ class VolunteerConsumer(SignallingMixin, RingMixin, AsyncWebsocketConsumer):  # 
             return
         self.waiting = False
         self.assigned.add(offer.result.work_unit_id)  # first: if the reply fails, disconnect releases it
-        if offer.result.work_unit.stage_kind:  # its peer ring fields read the database (projects/ring.py)
+        unit = offer.result.work_unit
+        # A stage unit's peer ring fields (projects/ring.py) and the following shards of a unit that runs on
+        # past its first (datasets.shard_slices) are read from the database.
+        if unit.stage_kind or unit.spans_shards:
             assign = await database_sync_to_async(protocol.assign_message)(offer.result, why=offer.why)
         else:
             assign = protocol.assign_message(offer.result, why=offer.why)

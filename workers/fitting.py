@@ -20,6 +20,7 @@ from django.utils import timezone
 
 from engine.graph import activation_memory, load_graph
 from projects import stages
+from projects.datasets import work_unit_slices
 from projects.models import Blob, WorkUnit
 from workers.models import Device, DeviceDownload
 from workers.preferences import MB, Preferences
@@ -84,10 +85,16 @@ def work_unit_blobs(work_unit: WorkUnit, *, held: Collection[str] = ()) -> dict[
         parts = (work_unit.stage_graph, work_unit.stage_weights, work_unit.input_blob, work_unit.grad_blob)
         return _sizes([work_unit.shard.blob, *(blob for blob in parts if blob is not None)])
     version = work_unit.version
-    sizes = _sizes([work_unit.project.graph, version.wire_blob, work_unit.shard.blob])
+    sizes = _sizes([work_unit.project.graph, version.wire_blob, *_shard_blobs(work_unit)])
     if version.wire_delta is not None and version.wire_base in held:
         sizes[version.wire_blob.sha256] = version.wire_delta.size
     return sizes
+
+
+def _shard_blobs(work_unit: WorkUnit) -> list[Blob]:
+    """The shards a browser downloads whole for `work_unit`'s samples (several for a unit larger than what
+    is left of its first shard)."""
+    return [part.shard.blob for part in work_unit_slices(work_unit=work_unit)]
 
 
 def _sizes(blobs: list[Blob]) -> dict[str, int]:
@@ -98,7 +105,7 @@ def _samples_within(*, work_unit: WorkUnit, cap: int) -> int:
     if work_unit.stage_kind:  # its micro-batch is fixed; its stage was cut to fit the device budget
         return work_unit.count if stages.unit_stage(work_unit=work_unit).memory.total <= cap else 0
     params, activations = model_memory(work_unit.project.graph)
-    fixed = MODEL_COPIES * params + work_unit.shard.blob.size
+    fixed = MODEL_COPIES * params + sum(blob.size for blob in _shard_blobs(work_unit))
     if fixed + activations > cap:
         return 0
     batch = work_unit.project.local_batch_size if work_unit.project.task == "local_steps" else math.inf

@@ -295,7 +295,7 @@ class ComputingPreferences(models.Model):
 
 class DeviceDownload(models.Model):
     """What one device was sent to download on one (UTC) day: the daily download limit reads it. Counted
-    when a work unit is assigned: its graph, weights and whole shard (browsers fetch shards whole), except
+    when a work unit is assigned: its graph, weights and whole shards (browsers fetch shards whole), except
     blobs this device was already sent since it connected, which its browser has cached."""
 
     device = models.ForeignKey(Device, on_delete=models.CASCADE, related_name="downloads")

@@ -16,6 +16,7 @@ from engine import spec
 from engine.partition import Stage
 from projects import ring, stages
 from projects.blobs import shard_url, stage_blob_url
+from projects.datasets import work_unit_slices
 from projects.lifecycle import ResultOutcome
 from projects.models import ModelVersion, Result, WorkUnit
 from workers import preferences as computing
@@ -310,11 +311,12 @@ def assign_message(result: Result, *, why: str = "share") -> dict[str, Any]:
                 {
                     # Signed for this volunteer and project, and expiring: shards are not public.
                     "url": shard_url(
-                        sha256=work_unit.shard.blob_id, user_id=result.volunteer_id, project_id=project.pk
+                        sha256=part.shard.blob_id, user_id=result.volunteer_id, project_id=project.pk
                     ),
-                    "offset": work_unit.offset,
-                    "count": work_unit.count,
+                    "offset": part.offset,
+                    "count": part.count,
                 }
+                for part in work_unit_slices(work_unit=work_unit)
             ],
             "batch_size": project.batch_size,
             "local": {

@@ -20,6 +20,7 @@ UNITS_PER_ROUND = 16
 LOCAL_MINIBATCH = 64
 PASSWORD = "h10-scaling-volunteer-pass"
 GOAL_SPEEDUP, GOAL_BYTES = 10.0, 0.02
+GOAL_BYTES_4BIT = 1 / 400  # issue 15 item 6 (INTELLECT-1's reduction), for the avg_4bit method
 # The heterogeneous runs (issue 15 items 7 and 5): speedup over one volunteer of the fleet's mean speed at 64
 # volunteers, and the share of its wall time a device computes.
 GOAL_HETERO_SPEEDUP, GOAL_HETERO_AT, GOAL_BUSY = 48.0, 64, 0.95
@@ -79,6 +80,22 @@ METHODS: dict[str, Method] = {
         "of 64 (lr 0.05, momentum 0.9) on that device, so the round grows with the fleet and its devices "
         "finish together; outer Nesterov lr 1.0 momentum 0.9 on the sample-weighted mean delta; int8 "
         "updates, weights down as int8 deltas",
+    ),
+    "avg_4bit": Method(
+        "int4 model averaging, 24,000-sample units (issue 15 item 6: 1/400 of sync's bytes)",
+        24000,
+        {
+            **METHODS_AVG_SETTINGS,
+            "codec": "int4",
+            "weights_codec": "int4",
+            "weights_delta_codec": "int4",
+            "momentum": 0.0,
+        },
+        "a round = 16 work units of 24,000 samples (384,000, 6.4 epochs), each 375 local SGD steps of 64 "
+        "(lr 0.05, momentum 0.9) in the volunteer, across 4-5 of the 6,000-sample shards; plain model "
+        "averaging (outer lr 1.0, no momentum); updates int4 with error feedback, the first weights int4, "
+        "then each version as an int4 delta (offline, benchmarks/scaling/bytes.py: 2 rounds to 84%, 1/452 "
+        "of sync's bytes)",
     ),
 }
 

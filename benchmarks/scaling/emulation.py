@@ -55,10 +55,10 @@ def capacity(calibration: dict[str, float]) -> float:
 
 def heterogeneous_top_gflops(calibration: dict[str, float], volunteers: int) -> float:
     """The fastest device of a heterogeneous fleet (fleet.speeds) of `volunteers`, 2 digits: the speed whose
-    TARGET_SECONDS unit fills a shard (a unit never spans two, so a faster device would get a shorter unit
-    and wait), unless the whole fleet would then emulate more than a quarter of the machine's measured
-    capacity (not the homogeneous runs' half: every result of a volunteer not trusted yet is recomputed on
-    the server, and many threads share the cores)."""
+    TARGET_SECONDS unit fills a shard (the cap of a unit's size while units could not span two shards, kept
+    so that runs stay comparable with earlier ones), unless the whole fleet would then emulate more than a
+    quarter of the machine's measured capacity (not the homogeneous runs' half: every result of a volunteer
+    not trusted yet is recomputed on the server, and many threads share the cores)."""
     fills = SHARD_SAMPLES * calibration["flops_per_sample"] / (TARGET_SECONDS * 1e9)
     affordable = capacity(calibration) / (4 * sum(fleet.speeds(volunteers, 1.0)))
     return float(f"{min(fills, affordable):.2g}")

@@ -18,6 +18,7 @@ from .config import (
     BANDWIDTH_MBIT,
     GOAL_BUSY,
     GOAL_BYTES,
+    GOAL_BYTES_4BIT,
     GOAL_HETERO_AT,
     GOAL_HETERO_SPEEDUP,
     GOAL_SPEEDUP,
@@ -221,7 +222,11 @@ def result(
             "weights/graph downloads",
         },
         "methods": {k: {"label": m.label, "why": m.why} for k, m in METHODS.items() if k in options.methods},
-        "goals": {"speedup_at_16": GOAL_SPEEDUP, "bytes_vs_fp32_sync": GOAL_BYTES},
+        "goals": {
+            "speedup_at_16": GOAL_SPEEDUP,
+            "bytes_vs_fp32_sync": GOAL_BYTES,
+            "bytes_vs_fp32_sync_avg_4bit": GOAL_BYTES_4BIT,
+        },
         "machine": {
             "cpus": os.cpu_count(),
             "python": sys.version.split()[0],

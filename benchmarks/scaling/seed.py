@@ -34,13 +34,18 @@ def configure(columns: dict[str, Any]) -> int:
     paused), dropping work fed with other settings so the first round already has the run's size. Plain
     column updates, as an operator's: no service may queue work before the platform's processes start."""
     from projects.models import Project, WorkUnit
+    from projects.services import version_rewire
 
     Project.objects.exclude(name=PROJECT).update(status=Project.Status.PAUSED)
     running = {**columns, "data_cursor": 0, "status": Project.Status.RUNNING}
     if not Project.objects.filter(name=PROJECT).update(**running):
         raise RuntimeError("benchmark project missing")
     WorkUnit.objects.filter(total_results=0).delete()
-    return Project.objects.get(name=PROJECT).pk
+    project = Project.objects.get(name=PROJECT)
+    # Version 0 was published with the template's default codecs (fp32 down): as project_create would, send
+    # it in the run's weights_codec, or a 2-round method's bytes are mostly one fp32 download per volunteer.
+    version_rewire(version=project.current_version())
+    return project.pk
 
 
 def open_first_round(project_id: int) -> None:

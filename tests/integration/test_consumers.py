@@ -106,6 +106,22 @@ def test_assign_result_ack_over_the_socket(mlp_project: Project, volunteer_user:
     async_to_sync(scenario)()
 
 
+def test_a_unit_running_across_shards_is_assigned_over_the_socket(
+    wide_units: Project, volunteer_user: User
+) -> None:
+    """Its following shards are read from the database, which the event loop may not do itself."""
+
+    async def scenario() -> None:
+        communicator = await greet(volunteer_user)
+        assign = await send(communicator, {"type": "ready"})
+        assert assign["type"] == "assign", assign
+        parts = [(part["offset"], part["count"]) for part in assign["work_unit"]["shards"]]
+        assert parts == [(0, 300), (0, 100)]  # the first unit: shard 0, then shard 1
+        await communicator.disconnect()
+
+    async_to_sync(scenario)()
+
+
 def test_malformed_frames_get_errors_and_the_socket_survives(
     mlp_project: Project, volunteer_user: User
 ) -> None:

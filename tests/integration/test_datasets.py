@@ -187,6 +187,37 @@ def test_good_upload_is_sharded_and_round_trips(owner: User, small_shards: int) 
     assert test_y.dtype == np.int32 and test_y.tolist() == [2, 0, 4]
 
 
+def test_a_slice_longer_than_its_shard_reads_on_into_the_next_ones(owner: User, small_shards: int) -> None:
+    x, y = images(10), labels(10)
+    dataset = dataset_create_from_npz(
+        owner=owner, name="tiny", data=npz(x=x, y=y, x_test=x[:2], y_test=y[:2])
+    )
+    first = dataset.shards.get(split="train", index=0)
+
+    slices = datasets.shard_slices(first=first, offset=3, count=6)
+    assert [(s.shard.index, s.offset, s.count) for s in slices] == [(0, 3, 1), (1, 0, 4), (2, 0, 1)]
+    got_x, got_y = datasets.slices_load(slices)
+    np.testing.assert_array_equal(got_x, x[3:9])
+    np.testing.assert_array_equal(got_y, y[3:9])
+    assert datasets.shard_slices(first=first, offset=1, count=3) == [datasets.ShardSlice(first, 1, 3)]
+
+    assert [(s.index, o) for s, o in [datasets.shard_position(first=first, offset=o) for o in (3, 4, 9)]] == [
+        (0, 3),
+        (1, 0),
+        (2, 1),
+    ]
+    wrapped = datasets.shard_slices(first=first, offset=3, count=10)  # on from the split's start
+    assert [(s.shard.index, s.offset, s.count) for s in wrapped] == [
+        (0, 3, 1),
+        (1, 0, 4),
+        (2, 0, 2),
+        (0, 0, 3),
+    ]
+    np.testing.assert_array_equal(datasets.slices_load(wrapped)[0], np.concatenate([x[3:], x[:3]]))
+    with pytest.raises(DatasetError, match="more than the split holds"):
+        datasets.shard_slices(first=first, offset=3, count=11)
+
+
 def test_uint8_is_converted_to_float32_without_scaling(owner: User) -> None:
     x = np.array([[0, 128, 255], [1, 2, 3]], dtype=np.uint8)
     dataset = dataset_create_from_npz(

@@ -5,16 +5,20 @@ from __future__ import annotations
 from dataclasses import replace
 from datetime import timedelta
 
+import numpy as np
 import pytest
 from django.contrib.auth.models import User
 from django.utils import timezone
 from pytest_django.fixtures import Settings
 
-from projects import lifecycle
+from projects import lifecycle, training
+from projects.datasets import dataset_load_split, slices_load, work_unit_slices
 from projects.lifecycle import ResultError
 from projects.models import Project, Result, WorkUnit
-from tests.integration.volunteer import assign, honest_update, receive
+from tests.integration.volunteer import assign, honest_update, judged, receive
+from workers import fitting
 from workers.models import CreditEntry, Device, Volunteer
+from workers.protocol import assign_message
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -45,6 +49,61 @@ def test_slow_devices_get_smaller_work_units(mlp_project: Project, volunteer_use
     assert result is not None and result.work_unit.count == 20
     rest = WorkUnit.objects.get(offset=20, count=30)
     assert rest.shard_id == result.work_unit.shard_id and rest.wanted == 1
+
+
+def test_a_work_unit_larger_than_what_is_left_of_its_shard_runs_on_into_the_next(
+    wide_units: Project, volunteer_user: User, other_volunteer: User
+) -> None:
+    units = list(WorkUnit.objects.filter(project=wide_units).order_by("pk"))
+    assert [(u.shard.index, u.offset, u.count) for u in units] == [(0, 0, 400), (1, 100, 400), (2, 200, 400)]
+    train_x, train_y = dataset_load_split(dataset=wide_units.dataset, split="train")
+    order = np.r_[0:1000, 0:200]  # the third wraps round to the split's start
+    for unit, start in zip(units, (0, 400, 800), strict=True):
+        x, y = slices_load(work_unit_slices(work_unit=unit))
+        np.testing.assert_array_equal(x, train_x[order[start : start + 400]])
+        np.testing.assert_array_equal(y, train_y[order[start : start + 400]])
+
+    users = (volunteer_user, other_volunteer, User.objects.create_user("carol", password="carol-pass-123"))
+    results = sorted((assign(user) for user in users), key=lambda r: r.work_unit_id)
+    parts = [
+        [(p["url"].split("?")[0], p["offset"], p["count"]) for p in assign_message(r)["work_unit"]["shards"]]
+        for r in results
+    ]
+    urls = {s.index: s.blob.url for s in wide_units.dataset.shards.filter(split="train")}
+    assert parts == [
+        [(urls[0], 0, 300), (urls[1], 0, 100)],
+        [(urls[1], 100, 200), (urls[2], 0, 200)],
+        [(urls[2], 200, 100), (urls[3], 0, 100), (urls[0], 0, 200)],
+    ]
+    assert {urls[2], urls[3], urls[0]} <= {
+        f"/blobs/{sha}" for sha in fitting.work_unit_blobs(results[2].work_unit)
+    }
+
+    for result in results:
+        receive(result.volunteer, result)
+        assert judged(result).validation == Result.Validation.VALID
+    training.project_step(project_id=wide_units.pk)
+    assert wide_units.current_version().number == 1
+
+
+def test_the_rest_of_a_unit_split_for_a_slow_device_starts_in_the_right_shard(
+    wide_units: Project, volunteer_user: User
+) -> None:
+    volunteer = Volunteer.objects.create(user=volunteer_user)
+    wide_units.target_seconds = 1
+    wide_units.save()
+    gflops = 350 * wide_units.flops_per_sample / 1e9  # 350 samples in one second
+    device = Device.objects.create(volunteer=volunteer, backend="webgl", gflops=gflops)
+    result = lifecycle.work_unit_assign(user=volunteer_user, device=device)
+    assert result is not None and (result.work_unit.offset, result.work_unit.count) == (0, 350)
+    rest = WorkUnit.objects.get(project=wide_units, count=50)
+    assert (rest.shard.index, rest.offset) == (1, 50)
+
+
+def test_crowd_averaging_units_are_sized_by_time_not_by_shards(wide_units: Project) -> None:
+    wide_units.mode, wide_units.crowd_rounds = Project.Mode.AVERAGING, True
+    assert wide_units.max_unit_samples == 1000  # the training split, not a shard's 300
+    assert wide_units.work_unit_samples(gflops=1e6) == 1000
 
 
 def test_results_only_from_the_assigned_volunteer(

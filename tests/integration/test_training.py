@@ -17,7 +17,7 @@ from django.utils import timezone
 from engine import codecs
 from projects import lifecycle, tasks, training
 from projects.models import Dataset, ModelVersion, Project, Result, WorkUnit
-from projects.services import version_evaluate, version_weights, version_wire_weights
+from projects.services import version_evaluate, version_rewire, version_weights, version_wire_weights
 from projects.validation import recompute
 from tests.integration.volunteer import assign, receive, tampered
 from workers import fitting, protocol
@@ -369,6 +369,18 @@ def test_without_a_delta_codec_no_delta_is_offered(mlp_project: Project, volunte
 def test_fp32_projects_send_the_master_weights(mlp_project: Project) -> None:
     version = mlp_project.current_version()
     assert version.wire_weights is None and version.wire_blob == version.weights
+
+
+def test_a_version_rewired_goes_down_in_the_codec_its_project_has_now(mlp_project: Project) -> None:
+    Project.objects.filter(pk=mlp_project.pk).update(weights_codec="int4")
+    mlp_project.refresh_from_db()
+    version = mlp_project.current_version()
+    version_rewire(version=version)
+    version.refresh_from_db()
+    assert version.wire_weights is not None and version.wire_blob.size < version.weights_blob.size / 7
+    master, wire = version_weights(version=version), version_wire_weights(version=version)
+    expected = codecs.decode(codecs.encode(master, "int4"))[0]
+    assert all(torch.equal(wire[name], expected[name]) for name in master)
 
 
 class _NormedNet(torch.nn.Module):
