@@ -105,7 +105,7 @@ def _samples_within(*, work_unit: WorkUnit, cap: int) -> int:
     if work_unit.stage_kind:  # its micro-batch is fixed; its stage was cut to fit the device budget
         return work_unit.count if stages.unit_stage(work_unit=work_unit).memory.total <= cap else 0
     params, activations = model_memory(work_unit.project.graph)
-    fixed = MODEL_COPIES * params + sum(blob.size for blob in _shard_blobs(work_unit))
+    fixed = MODEL_COPIES * params + sum(_sizes(_shard_blobs(work_unit)).values())  # each shard held once
     if fixed + activations > cap:
         return 0
     batch = work_unit.project.local_batch_size if work_unit.project.task == "local_steps" else math.inf
