@@ -39,13 +39,20 @@ def test_each_volunteer_gets_its_own_instance(
     assert first.deadline > timezone.now() and first.status == Result.Status.IN_PROGRESS
 
 
+def assign_to_slow_device(project: Project, user: User, samples_per_second: int) -> Result | None:
+    """An instance for `user`'s device that computes `samples_per_second` of `project`'s samples (its units
+    take a second)."""
+    project.target_seconds = 1
+    project.save()
+    gflops = samples_per_second * project.flops_per_sample / 1e9
+    device = Device.objects.create(
+        volunteer=Volunteer.objects.create(user=user), backend="webgl", gflops=gflops
+    )
+    return lifecycle.work_unit_assign(user=user, device=device)
+
+
 def test_slow_devices_get_smaller_work_units(mlp_project: Project, volunteer_user: User) -> None:
-    volunteer = Volunteer.objects.create(user=volunteer_user)
-    mlp_project.target_seconds = 1
-    mlp_project.save()
-    gflops = 20 * mlp_project.flops_per_sample / 1e9  # 20 samples in one second
-    device = Device.objects.create(volunteer=volunteer, backend="webgl", gflops=gflops)
-    result = lifecycle.work_unit_assign(user=volunteer_user, device=device)
+    result = assign_to_slow_device(mlp_project, volunteer_user, 20)
     assert result is not None and result.work_unit.count == 20
     rest = WorkUnit.objects.get(offset=20, count=30)
     assert rest.shard_id == result.work_unit.shard_id and rest.wanted == 1
@@ -89,12 +96,7 @@ def test_a_work_unit_larger_than_what_is_left_of_its_shard_runs_on_into_the_next
 def test_the_rest_of_a_unit_split_for_a_slow_device_starts_in_the_right_shard(
     wide_units: Project, volunteer_user: User
 ) -> None:
-    volunteer = Volunteer.objects.create(user=volunteer_user)
-    wide_units.target_seconds = 1
-    wide_units.save()
-    gflops = 350 * wide_units.flops_per_sample / 1e9  # 350 samples in one second
-    device = Device.objects.create(volunteer=volunteer, backend="webgl", gflops=gflops)
-    result = lifecycle.work_unit_assign(user=volunteer_user, device=device)
+    result = assign_to_slow_device(wide_units, volunteer_user, 350)
     assert result is not None and (result.work_unit.offset, result.work_unit.count) == (0, 350)
     rest = WorkUnit.objects.get(project=wide_units, count=50)
     assert (rest.shard.index, rest.offset) == (1, 50)
