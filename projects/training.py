@@ -199,10 +199,20 @@ def _awaiting_validation(current: ModelVersion) -> bool:
 def _publish(*, project: Project, current: ModelVersion, results: list[Result]) -> ModelVersion:
     weights = [_weight(project=project, current=current, result=r) for r in results]
     update, buffers = _combine(project=project, updates=_updates(results), weights=weights)
-    samples = sum(r.samples for r in results)
     if project.mode == Project.Mode.ASYNC_SGD:
         # Staleness weights shrink the step, not only the mix: a lone stale update moves the model less.
+        samples = sum(r.samples for r in results)
         update = {name: value.mul_(sum(weights) / samples) for name, value in update.items()}
+    return _version_next(project=project, current=current, update=update, buffers=buffers, results=results)
+
+
+def _version_next(
+    *, project: Project, current: ModelVersion, update: Tensors, buffers: Tensors, results: list[Result]
+) -> ModelVersion:
+    """The version after `current` from its round's combined `update` and `buffers`, in the caller's
+    transaction: the step, the weights stored, `results` marked aggregated and the version's row (what the
+    aggregation benchmark times as a publish)."""
+    samples = sum(r.samples for r in results)
     params, state, blob = _step_stored(project=project, version=current, update=update, buffers=buffers)
     Result.objects.filter(pk__in=[r.pk for r in results]).update(aggregated=True)
     version = version_publish(
