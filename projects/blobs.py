@@ -13,7 +13,7 @@ import tempfile
 import threading
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 from urllib.parse import urlencode
 
 import numpy as np
@@ -41,7 +41,7 @@ def blob_put(
 ) -> Blob:
     """Store bytes once; storing the same bytes again returns the existing blob. `data` may come in pieces
     (the blob is their concatenation), which are hashed and written one after the other, never joined; an
-    iterator of pieces is consumed as it yields them (the publish step yields each tensor once stepped).
+    iterator of pieces is consumed as it yields them (see blob_put_computed for one that works to yield).
 
     A large local blob is written to a temporary file by another thread while this one hashes it (both
     release the GIL: 45 MB took 25 ms to hash and 13 ms to write, one after the other), then renamed to its
@@ -63,6 +63,25 @@ def blob_put(
             return Blob.objects.get(pk=sha)
     with _Spool() as spool:
         sha, size = _digest(spool.feed(pieces))
+        with transaction.atomic():
+            _upsert(sha=sha, size=size, content_type=content_type)
+            spool.place(path=_path(sha))
+            return Blob.objects.get(pk=sha)
+
+
+def blob_put_computed(
+    *, pieces: Iterator[bytes | memoryview], content_type: str = "application/octet-stream"
+) -> Blob:
+    """blob_put of `pieces`, an iterator that computes each piece before yielding it (the publish step
+    changes each tensor in place, then yields its memory), which must stay unchanged once yielded: a thread
+    of its own runs the iterator, handing each piece to this thread to hash as soon as it is yielded, and
+    then writes them all. The computing and the writing share one core while this thread hashes on the other:
+    with a third thread writing as pieces were hashed, the three competed for two cores (a ResNet-18's step,
+    hash and write: 37 ms against 31, median of 10 interleaved trials on a loaded machine)."""
+    if blob_store.remote():
+        return _put_remote(pieces=list(pieces), content_type=content_type)
+    with _Computed(pieces) as spool:
+        sha, size = _digest(spool.pieces())
         with transaction.atomic():
             _upsert(sha=sha, size=size, content_type=content_type)
             spool.place(path=_path(sha))
@@ -108,7 +127,7 @@ class _Spool:
         self._tmp: str | None = None
         self._thread = threading.Thread(target=self._write, name="blob-spool", daemon=True)
 
-    def __enter__(self) -> _Spool:
+    def __enter__(self) -> Self:
         directory = Path(settings.BLOB_ROOT) / SPOOL_DIR
         directory.mkdir(parents=True, exist_ok=True)
         fd, self._tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-")
@@ -156,6 +175,45 @@ class _Spool:
         if self._tmp is not None:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self._tmp)
+
+
+class _Computed(_Spool):
+    """A _Spool whose thread also computes the pieces (blob_put_computed): it runs their iterator, passing
+    each to the caller (`pieces`) as it comes, and writes them all once the last is computed."""
+
+    def __init__(self, source: Iterator[bytes | memoryview]) -> None:
+        super().__init__()
+        self._source = source
+        self._thread = threading.Thread(target=self._compute, name="blob-computed", daemon=True)
+
+    def pieces(self) -> Iterator[memoryview]:
+        """The pieces as they are computed; the iterator's exception, if it raised one."""
+        while (view := self._queue.get()) is not None:
+            yield view
+        if self._error is not None:
+            raise self._error
+
+    def _compute(self) -> None:
+        computed: list[memoryview] = []
+        try:
+            for piece in self._source:
+                computed.append(memoryview(piece).cast("B"))
+                self._queue.put(computed[-1])
+        except BaseException as exc:  # noqa: BLE001 - raised again by pieces() in the caller's thread
+            self._error = exc
+        finally:
+            self._queue.put(None)
+        try:
+            for view in computed if self._error is None else []:
+                _write_view(self._handle, view)
+        except BaseException as exc:  # noqa: BLE001 - raised again by place() in the caller's thread
+            self._error = exc
+        finally:
+            self._handle.close()
+
+    def __exit__(self, *exc: object) -> None:
+        self._thread.join()  # it never waits for the caller: the pieces' queue has no bound
+        super().__exit__(*exc)
 
 
 def _write_view(handle: Any, view: memoryview) -> None:
