@@ -58,15 +58,15 @@ def blob_put(
     if isinstance(pieces, Sequence) and sum(memoryview(p).nbytes for p in pieces) < SPOOL_BYTES:
         sha, size = _digest(pieces)
         with transaction.atomic():
-            _upsert(sha=sha, size=size, content_type=content_type)
+            blob = _upsert(sha=sha, size=size, content_type=content_type)
             _write_file(path=_path(sha), pieces=pieces)
-            return Blob.objects.get(pk=sha)
+            return blob
     with _Spool() as spool:
         sha, size = _digest(spool.feed(pieces))
         with transaction.atomic():
-            _upsert(sha=sha, size=size, content_type=content_type)
+            blob = _upsert(sha=sha, size=size, content_type=content_type)
             spool.place(path=_path(sha))
-            return Blob.objects.get(pk=sha)
+            return blob
 
 
 def blob_put_computed(
@@ -83,18 +83,18 @@ def blob_put_computed(
     with _Computed(pieces) as spool:
         sha, size = _digest(spool.pieces())
         with transaction.atomic():
-            _upsert(sha=sha, size=size, content_type=content_type)
+            blob = _upsert(sha=sha, size=size, content_type=content_type)
             spool.place(path=_path(sha))
-            return Blob.objects.get(pk=sha)
+            return blob
 
 
 def _put_remote(*, pieces: Pieces, content_type: str) -> Blob:
     """An S3-compatible bucket shared by several machines: the object's key is the hash, so hash first."""
     sha, size = _digest(pieces)
     with transaction.atomic():
-        _upsert(sha=sha, size=size, content_type=content_type)
+        blob = _upsert(sha=sha, size=size, content_type=content_type)
         blob_store.upload(sha=sha, pieces=pieces)
-        return Blob.objects.get(pk=sha)
+        return blob
 
 
 def _digest(pieces: Iterable[bytes | memoryview]) -> tuple[str, int]:
@@ -105,11 +105,18 @@ def _digest(pieces: Iterable[bytes | memoryview]) -> tuple[str, int]:
     return digest.hexdigest(), size
 
 
-def _upsert(*, sha: str, size: int, content_type: str) -> None:
-    row = Blob(sha256=sha, size=size, content_type=content_type, stored_at=timezone.now())
-    Blob.objects.bulk_create(
-        [row], update_conflicts=True, unique_fields=["sha256"], update_fields=["stored_at"]
+def _upsert(*, sha: str, size: int, content_type: str) -> Blob:
+    """The blob's row, inserted or its stored_at refreshed, as it is now: one query (RETURNING), not an
+    upsert and then a read of the row."""
+    table = Blob._meta.db_table
+    now = timezone.now()
+    rows = Blob.objects.raw(
+        f"INSERT INTO {table} (sha256, size, content_type, created_at, stored_at) "
+        "VALUES (%s, %s, %s, %s, %s) ON CONFLICT (sha256) DO UPDATE SET stored_at = EXCLUDED.stored_at "
+        "RETURNING *",
+        [sha, size, content_type, now, now],
     )
+    return next(iter(rows))
 
 
 def _path(sha: str) -> Path:

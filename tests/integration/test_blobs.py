@@ -13,6 +13,8 @@ from typing import Any
 
 import pytest
 from django.conf import settings
+from django.db import connection
+from django.test.utils import CaptureQueriesContext
 
 from projects import blobs
 from projects.blobs import blob_put, blob_put_computed
@@ -113,3 +115,20 @@ def test_a_failure_computing_the_pieces_is_raised_and_leaves_no_file_and_no_row(
     with pytest.raises(RuntimeError, match="the step failed"):
         blob_put_computed(pieces=pieces())
     assert not spooled() and not Blob.objects.exists()
+
+
+def test_storing_bytes_again_returns_the_row_as_stored_in_one_query() -> None:
+    """The row comes back from the upsert itself (RETURNING): as first stored (its created_at and
+    content_type), with stored_at refreshed for the garbage collector."""
+    first = blob_put(data=b"json bytes", content_type="application/json")
+    with CaptureQueriesContext(connection) as queries:
+        again = blob_put(data=b"json bytes")
+    on_blobs = [q["sql"] for q in queries.captured_queries if Blob._meta.db_table in q["sql"]]
+    assert len(on_blobs) == 1 and on_blobs[0].startswith("INSERT")
+    assert (again.pk, again.created_at, again.content_type) == (
+        first.pk,
+        first.created_at,
+        "application/json",
+    )
+    assert again.stored_at > first.stored_at
+    assert Blob.objects.get(pk=first.pk).stored_at == again.stored_at
