@@ -135,12 +135,15 @@ class _Spool:
         self._thread = threading.Thread(target=self._write, name="blob-spool", daemon=True)
 
     def __enter__(self) -> Self:
+        self._open()
+        self._thread.start()
+        return self
+
+    def _open(self) -> None:
         directory = Path(settings.BLOB_ROOT) / SPOOL_DIR
         directory.mkdir(parents=True, exist_ok=True)
         fd, self._tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-")
         self._handle = os.fdopen(fd, "wb", buffering=0)
-        self._thread.start()
-        return self
 
     def feed(self, pieces: Iterable[bytes | memoryview]) -> Iterator[bytes | memoryview]:
         """`pieces`, each also queued for the writer as it is yielded."""
@@ -186,12 +189,17 @@ class _Spool:
 
 class _Computed(_Spool):
     """A _Spool whose thread also computes the pieces (blob_put_computed): it runs their iterator, passing
-    each to the caller (`pieces`) as it comes, and writes them all once the last is computed."""
+    each to the caller (`pieces`) as it comes, and writes them all once the last is computed, to a file it
+    creates then (off the caller's path to its first piece)."""
 
     def __init__(self, source: Iterator[bytes | memoryview]) -> None:
         super().__init__()
         self._source = source
         self._thread = threading.Thread(target=self._compute, name="blob-computed", daemon=True)
+
+    def __enter__(self) -> Self:
+        self._thread.start()
+        return self
 
     def pieces(self) -> Iterator[memoryview]:
         """The pieces as they are computed; the iterator's exception, if it raised one."""
@@ -210,13 +218,19 @@ class _Computed(_Spool):
             self._error = exc
         finally:
             self._queue.put(None)
+        if self._error is None:
+            self._write_all(computed)
+
+    def _write_all(self, views: list[memoryview]) -> None:
         try:
-            for view in computed if self._error is None else []:
+            self._open()
+            for view in views:
                 _write_view(self._handle, view)
         except BaseException as exc:  # noqa: BLE001 - raised again by place() in the caller's thread
             self._error = exc
         finally:
-            self._handle.close()
+            if self._tmp is not None:
+                self._handle.close()
 
     def __exit__(self, *exc: object) -> None:
         self._thread.join()  # it never waits for the caller: the pieces' queue has no bound

@@ -98,6 +98,7 @@ def test_computed_pieces_are_hashed_as_another_thread_computes_them_and_then_wri
         computing.append(threading.current_thread())
         yield first
         assert hashed.done.wait(10), "the first piece was not hashed while the rest was computed"
+        assert not spooled()  # the file is created once they are all computed, off the way to the first
         yield second
 
     blob = blob_put_computed(pieces=pieces())
