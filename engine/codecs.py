@@ -193,7 +193,10 @@ def _scratch(size: int) -> Tensor:
 
 def _memory(t: Tensor) -> memoryview:
     """The tensor's bytes without a copy (it is contiguous)."""
-    return t.reshape(-1).view(torch.uint8).numpy().data
+    # Through numpy's own buffer: a third of the cost of reshape + view + numpy (0.1 ms against 0.3 for a
+    # ResNet-18's 102 tensors, on a publish's critical path). Never bfloat16, which numpy lacks: encoding
+    # converts floats to the codec's dtype first. An empty one has no bytes (and a shape cast refuses).
+    return t.numpy().data.cast("B") if t.numel() else memoryview(b"")
 
 
 def _encode_one(name: str, t: Tensor, codec: str, block_size: int, keep: int) -> dict[str, Tensor]:
@@ -294,24 +297,35 @@ def encode_fp32_named(tensors: Mapping[str, Tensor]) -> tuple[memoryview, list[t
 def _serialized(
     tensors: Mapping[str, Tensor], meta: Mapping[str, str]
 ) -> tuple[memoryview, list[tuple[str, memoryview]]]:
+    specs = tuple((name, t.dtype, tuple(t.shape)) for name, t in tensors.items())
+    header, order = _header_of(specs, tuple(sorted(meta.items())))
+    return header, [(name, _memory(tensors[name])) for name in order]
+
+
+Specs = tuple[tuple[str, torch.dtype, tuple[int, ...]], ...]
+
+
+@lru_cache(maxsize=32)
+def _header_of(specs: Specs, meta: tuple[tuple[str, str], ...]) -> tuple[memoryview, tuple[str, ...]]:
+    """The header of tensors named, typed and shaped as `specs` (with `meta`, sorted), and their order in
+    the bytes. A model's are the same at every version, so a publish builds them once (a ResNet-18's 102
+    tensors took 0.3 ms, before its step could start)."""
     # The safetensors layout: tensors with the widest elements first, so every one is aligned in the file
     # (the header is padded to 8 bytes); sorted metadata, so the same tensors always give the same bytes.
-    order = sorted(tensors, key=lambda name: (-tensors[name].element_size(), name))
-    header: dict[str, Any] = {METADATA: dict(sorted(meta.items()))}
-    pieces, offset = [], 0
-    for name in order:
-        t = tensors[name]
-        size = t.numel() * t.element_size()
+    ordered = sorted(specs, key=lambda spec: (-spec[1].itemsize, spec[0]))
+    header: dict[str, Any] = {METADATA: dict(meta)}
+    offset = 0
+    for name, dtype, shape in ordered:
+        size = math.prod(shape) * dtype.itemsize
         entry = {
-            "dtype": SAFETENSORS_DTYPES[t.dtype],
-            "shape": list(t.shape),
+            "dtype": SAFETENSORS_DTYPES[dtype],
+            "shape": list(shape),
             "data_offsets": [offset, offset + size],
         }
         header[name], offset = entry, offset + size
-        pieces.append((name, _memory(t)))
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)
-    return memoryview(struct.pack("<Q", len(raw)) + raw), pieces
+    return memoryview(struct.pack("<Q", len(raw)) + raw), tuple(name for name, _, _ in ordered)
 
 
 # --- hostile JSON and safetensors headers -----------------------------------------------------------

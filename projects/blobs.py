@@ -13,7 +13,7 @@ import tempfile
 import threading
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 from urllib.parse import urlencode
 
 import numpy as np
@@ -41,7 +41,7 @@ def blob_put(
 ) -> Blob:
     """Store bytes once; storing the same bytes again returns the existing blob. `data` may come in pieces
     (the blob is their concatenation), which are hashed and written one after the other, never joined; an
-    iterator of pieces is consumed as it yields them (the publish step yields each tensor once stepped).
+    iterator of pieces is consumed as it yields them (see blob_put_computed for one that works to yield).
 
     A large local blob is written to a temporary file by another thread while this one hashes it (both
     release the GIL: 45 MB took 25 ms to hash and 13 ms to write, one after the other), then renamed to its
@@ -58,24 +58,43 @@ def blob_put(
     if isinstance(pieces, Sequence) and sum(memoryview(p).nbytes for p in pieces) < SPOOL_BYTES:
         sha, size = _digest(pieces)
         with transaction.atomic():
-            _upsert(sha=sha, size=size, content_type=content_type)
+            blob = _upsert(sha=sha, size=size, content_type=content_type)
             _write_file(path=_path(sha), pieces=pieces)
-            return Blob.objects.get(pk=sha)
+            return blob
     with _Spool() as spool:
         sha, size = _digest(spool.feed(pieces))
         with transaction.atomic():
-            _upsert(sha=sha, size=size, content_type=content_type)
+            blob = _upsert(sha=sha, size=size, content_type=content_type)
             spool.place(path=_path(sha))
-            return Blob.objects.get(pk=sha)
+            return blob
+
+
+def blob_put_computed(
+    *, pieces: Iterator[bytes | memoryview], content_type: str = "application/octet-stream"
+) -> Blob:
+    """blob_put of `pieces`, an iterator that computes each piece before yielding it (the publish step
+    changes each tensor in place, then yields its memory), which must stay unchanged once yielded: a thread
+    of its own runs the iterator, handing each piece to this thread to hash as soon as it is yielded, and
+    then writes them all. The computing and the writing share one core while this thread hashes on the other:
+    with a third thread writing as pieces were hashed, the three competed for two cores (a ResNet-18's step,
+    hash and write: 37 ms against 31, median of 10 interleaved trials on a loaded machine)."""
+    if blob_store.remote():
+        return _put_remote(pieces=list(pieces), content_type=content_type)
+    with _Computed(pieces) as spool:
+        sha, size = _digest(spool.pieces())
+        with transaction.atomic():
+            blob = _upsert(sha=sha, size=size, content_type=content_type)
+            spool.place(path=_path(sha))
+            return blob
 
 
 def _put_remote(*, pieces: Pieces, content_type: str) -> Blob:
     """An S3-compatible bucket shared by several machines: the object's key is the hash, so hash first."""
     sha, size = _digest(pieces)
     with transaction.atomic():
-        _upsert(sha=sha, size=size, content_type=content_type)
+        blob = _upsert(sha=sha, size=size, content_type=content_type)
         blob_store.upload(sha=sha, pieces=pieces)
-        return Blob.objects.get(pk=sha)
+        return blob
 
 
 def _digest(pieces: Iterable[bytes | memoryview]) -> tuple[str, int]:
@@ -86,11 +105,18 @@ def _digest(pieces: Iterable[bytes | memoryview]) -> tuple[str, int]:
     return digest.hexdigest(), size
 
 
-def _upsert(*, sha: str, size: int, content_type: str) -> None:
-    row = Blob(sha256=sha, size=size, content_type=content_type, stored_at=timezone.now())
-    Blob.objects.bulk_create(
-        [row], update_conflicts=True, unique_fields=["sha256"], update_fields=["stored_at"]
+def _upsert(*, sha: str, size: int, content_type: str) -> Blob:
+    """The blob's row, inserted or its stored_at refreshed, as it is now: one query (RETURNING), not an
+    upsert and then a read of the row."""
+    table = Blob._meta.db_table
+    now = timezone.now()
+    rows = Blob.objects.raw(
+        f"INSERT INTO {table} (sha256, size, content_type, created_at, stored_at) "
+        "VALUES (%s, %s, %s, %s, %s) ON CONFLICT (sha256) DO UPDATE SET stored_at = EXCLUDED.stored_at "
+        "RETURNING *",
+        [sha, size, content_type, now, now],
     )
+    return next(iter(rows))
 
 
 def _path(sha: str) -> Path:
@@ -108,13 +134,16 @@ class _Spool:
         self._tmp: str | None = None
         self._thread = threading.Thread(target=self._write, name="blob-spool", daemon=True)
 
-    def __enter__(self) -> _Spool:
+    def __enter__(self) -> Self:
+        self._open()
+        self._thread.start()
+        return self
+
+    def _open(self) -> None:
         directory = Path(settings.BLOB_ROOT) / SPOOL_DIR
         directory.mkdir(parents=True, exist_ok=True)
         fd, self._tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-")
         self._handle = os.fdopen(fd, "wb", buffering=0)
-        self._thread.start()
-        return self
 
     def feed(self, pieces: Iterable[bytes | memoryview]) -> Iterator[bytes | memoryview]:
         """`pieces`, each also queued for the writer as it is yielded."""
@@ -156,6 +185,56 @@ class _Spool:
         if self._tmp is not None:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self._tmp)
+
+
+class _Computed(_Spool):
+    """A _Spool whose thread also computes the pieces (blob_put_computed): it runs their iterator, passing
+    each to the caller (`pieces`) as it comes, and writes them all once the last is computed, to a file it
+    creates then (off the caller's path to its first piece)."""
+
+    def __init__(self, source: Iterator[bytes | memoryview]) -> None:
+        super().__init__()
+        self._source = source
+        self._thread = threading.Thread(target=self._compute, name="blob-computed", daemon=True)
+
+    def __enter__(self) -> Self:
+        self._thread.start()
+        return self
+
+    def pieces(self) -> Iterator[memoryview]:
+        """The pieces as they are computed; the iterator's exception, if it raised one."""
+        while (view := self._queue.get()) is not None:
+            yield view
+        if self._error is not None:
+            raise self._error
+
+    def _compute(self) -> None:
+        computed: list[memoryview] = []
+        try:
+            for piece in self._source:
+                computed.append(memoryview(piece).cast("B"))
+                self._queue.put(computed[-1])
+        except BaseException as exc:  # noqa: BLE001 - raised again by pieces() in the caller's thread
+            self._error = exc
+        finally:
+            self._queue.put(None)
+        if self._error is None:
+            self._write_all(computed)
+
+    def _write_all(self, views: list[memoryview]) -> None:
+        try:
+            self._open()
+            for view in views:
+                _write_view(self._handle, view)
+        except BaseException as exc:  # noqa: BLE001 - raised again by place() in the caller's thread
+            self._error = exc
+        finally:
+            if self._tmp is not None:
+                self._handle.close()
+
+    def __exit__(self, *exc: object) -> None:
+        self._thread.join()  # it never waits for the caller: the pieces' queue has no bound
+        super().__exit__(*exc)
 
 
 def _write_view(handle: Any, view: memoryview) -> None:

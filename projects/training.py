@@ -17,18 +17,17 @@ decode them all. The step then changes the current weights and optimizer state i
 process published last if it has them (_published), else read into memory of its own.
 
 Publishing is on the volunteers' critical path, so it does only what they need: the step runs in a thread
-tensor by tensor while the new weights are hashed (SHA-256: blobs are content-addressed) and written
-(blobs.blob_put), then the version's row commits and is announced. The optimizer state, which only the next
-step reads, is stored after that by a thread of its own (_keep); the next step in this process waits for it,
-and one in another process that finds it missing (the publisher died first) recomputes it from the two
-versions' weights (_state_recovered).
+tensor by tensor while the new weights are hashed (SHA-256: blobs are content-addressed), and that thread
+then writes them (blobs.blob_put_computed); then the version's row commits and is announced. The optimizer
+state, which only the next step reads, is stored after that by a thread of its own (_keep); the next step in
+this process waits for it, and one in another process that finds it missing (the publisher died first)
+recomputes it from the two versions' weights (_state_recovered).
 """
 
 from __future__ import annotations
 
 import logging
 import math
-import queue
 import threading
 from collections import OrderedDict
 from collections.abc import Iterable, Iterator, Sequence
@@ -44,7 +43,7 @@ from django.utils import timezone
 
 from engine import aggregate, codecs, optim
 from projects import notify, pipeline
-from projects.blobs import blob_put, blob_put_tensors, blob_read_buffer, blob_view
+from projects.blobs import blob_put_computed, blob_put_tensors, blob_read_buffer, blob_view
 from projects.lifecycle import (
     VALIDATION_GIVE_UP_SECONDS,
     results_announce,
@@ -199,10 +198,20 @@ def _awaiting_validation(current: ModelVersion) -> bool:
 def _publish(*, project: Project, current: ModelVersion, results: list[Result]) -> ModelVersion:
     weights = [_weight(project=project, current=current, result=r) for r in results]
     update, buffers = _combine(project=project, updates=_updates(results), weights=weights)
-    samples = sum(r.samples for r in results)
     if project.mode == Project.Mode.ASYNC_SGD:
         # Staleness weights shrink the step, not only the mix: a lone stale update moves the model less.
+        samples = sum(r.samples for r in results)
         update = {name: value.mul_(sum(weights) / samples) for name, value in update.items()}
+    return _version_next(project=project, current=current, update=update, buffers=buffers, results=results)
+
+
+def _version_next(
+    *, project: Project, current: ModelVersion, update: Tensors, buffers: Tensors, results: list[Result]
+) -> ModelVersion:
+    """The version after `current` from its round's combined `update` and `buffers`, in the caller's
+    transaction: the step, the weights stored, `results` marked aggregated and the version's row (what the
+    aggregation benchmark times as a publish)."""
+    samples = sum(r.samples for r in results)
     params, state, blob = _step_stored(project=project, version=current, update=update, buffers=buffers)
     Result.objects.filter(pk__in=[r.pk for r in results]).update(aggregated=True)
     version = version_publish(
@@ -312,44 +321,23 @@ def _step_stored(
     *, project: Project, version: ModelVersion, update: Tensors, buffers: Tensors
 ) -> tuple[Tensors, Tensors, Blob]:
     """_step, and the next version's weights (with the round's `buffers`) stored as they come: a thread
-    steps the tensors in the order of the blob's bytes while this one hashes each stepped tensor and a third
-    writes it (blob_put), so a publish costs about the hash of the weights rather than step + hash + write."""
+    steps the tensors in the order of the blob's bytes while this one hashes each stepped tensor, and then
+    writes them (blobs.blob_put_computed), so a publish costs about the hash of the weights rather than
+    step + hash + write."""
     weights, state = _owned(version=version)
     weights.update(buffers)
     header, named = codecs.encode_fp32_named(weights)
     if unknown := set(update) - set(weights):
         raise KeyError(f"an update for tensors the model does not have: {sorted(unknown)[:5]}")
-    ready: queue.SimpleQueue[memoryview | BaseException] = queue.SimpleQueue()
 
-    def step() -> None:
-        try:
-            for name, piece in named:
-                if name in update:
-                    _server_step(
-                        project=project, weights=weights, state=state, grads={name: update.pop(name)}
-                    )
-                ready.put(piece)
-        except BaseException as exc:  # noqa: BLE001 - raised again in the hashing thread
-            ready.put(exc)
+    def stepped() -> Iterator[memoryview]:
+        yield header
+        for name, piece in named:
+            if name in update:
+                _server_step(project=project, weights=weights, state=state, grads={name: update.pop(name)})
+            yield piece
 
-    stepper = threading.Thread(target=step, name="publish-step", daemon=True)
-    stepper.start()
-    try:
-        blob = blob_put(data=_stepped(header=header, count=len(named), ready=ready))
-    finally:
-        stepper.join()
-    return weights, state, blob
-
-
-def _stepped(
-    *, header: memoryview, count: int, ready: queue.SimpleQueue[memoryview | BaseException]
-) -> Iterator[memoryview]:
-    yield header
-    for _ in range(count):
-        piece = ready.get()
-        if isinstance(piece, BaseException):
-            raise piece
-        yield piece
+    return weights, state, blob_put_computed(pieces=stepped())
 
 
 @dataclass

@@ -15,8 +15,11 @@ process, user + system), median of the trials, on one torch thread as the Celery
   validation (replays, norm history) are not counted: the same before and after, and item 1's business.
 - publish: from the round's mean update to the next version stored: the optimizer step on the current
   weights and momentum, then both encoded, hashed (SHA-256: blobs are content-addressed) and written, and the
-  version's row. After, warm: the weights and momentum this process published last are still in memory
-  (training._published); cold: they are read from their blobs, as on another worker process.
+  version's row. After: training._version_next as project_step runs it, in one transaction timed to its
+  commit (the round's results marked aggregated, the momentum's storing started on commit); the version the
+  round was on is the input, fetched untimed as the update is made. Warm: the weights and momentum this
+  process published last are still in memory (training._published); cold: they are read from their blobs,
+  as on another worker process.
 """
 
 from __future__ import annotations
@@ -201,48 +204,41 @@ def _mean_difference(held: list[dict[str, torch.Tensor]], names: list[str], blob
 def publish(project: Any, trials: int) -> dict[str, Any]:
     """One version published from the round's mean update (the step, the weights stored, the version's
     row), before (the code as it was), main (before this change) and after, warm and cold. After, the
-    momentum is stored once the version is out (training._keep): that is timed apart, off the critical
-    path, and waited for between trials (the next step would wait for it too)."""
+    momentum is stored once the version is out (training._keep's thread): that is timed apart, off the
+    critical path, and waited for between trials (the next step would wait for it too)."""
+    from django.db import transaction
+
     from projects import training
-    from projects.services import project_graph, version_publish
+    from projects.services import project_graph
 
     graph = project_graph(project=project)
     names = [p.name for p in graph.params]
     shapes = {t.name: tuple(t.shape) for t in graph.params}
     update = honest_update(names, shapes, seed=2)
+    results = round_results(project)
     scratch: dict[str, torch.Tensor] = {}
+    current: list[Any] = []  # the version the round was on: the publish's input, as the update is
     published: list[tuple[Any, dict[str, torch.Tensor], dict[str, torch.Tensor]]] = []
 
     def fresh_update() -> None:
         scratch.clear()
         scratch.update({name: value.clone() for name, value in update.items()})
+        current[:] = [project.current_version()]
 
-    def after() -> None:
-        current = project.current_version()
-        params, state, blob = training._step_stored(
-            project=project, version=current, update=dict(scratch), buffers={}
-        )
-        version = version_publish(
-            project=project,
-            number=current.number + 1,
-            weights=params,
-            weights_blob=blob,
-            momentum={},
-            samples=64,
-        )
-        published.append((version, params, state))
+    def after() -> None:  # as project_step publishes: in one transaction, timed to its commit (and _keep)
+        with transaction.atomic():
+            training._version_next(
+                project=project, current=current[0], update=dict(scratch), buffers={}, results=results
+            )
 
-    def kept() -> None:  # on commit, as _publish does: the momentum is stored by a thread of its own
-        version, params, state = published.pop()
-        training._keep(version=version, weights=params, state=state)
+    def kept() -> None:  # the momentum being stored by _keep's thread, as the next step waits for it
         _saved(training)
 
     def main() -> None:
-        current = project.current_version()
-        params, state = training._step(project=project, version=current, update=dict(scratch))
+        params, state = training._step(project=project, version=current[0], update=dict(scratch))
         version = before.version_publish_main(
             project=project,
-            number=current.number + 1,
+            number=current[0].number + 1,
             weights=params,
             momentum=state,
             samples=64,
@@ -255,15 +251,16 @@ def publish(project: Any, trials: int) -> dict[str, Any]:
         training._published[project.pk] = training._Kept(version.pk, version.weights_id, params, state, None)
 
     def old() -> None:
-        current = project.current_version()
-        weights = before.decode(before.read(current.weights_blob))[0]
-        state = before.decode(before.read(current.optimizer_state))[0] if current.optimizer_state else {}
+        weights = before.decode(before.read(current[0].weights_blob))[0]
+        state = (
+            before.decode(before.read(current[0].optimizer_state))[0] if current[0].optimizer_state else {}
+        )
         params, state = before.sgd_step(
             weights, scratch, state, lr=project.learning_rate, momentum=project.momentum
         )
         before.version_publish(
             project=project,
-            number=current.number + 1,
+            number=current[0].number + 1,
             weights=params,
             momentum=state,
             samples=64,
@@ -309,6 +306,23 @@ def publish(project: Any, trials: int) -> dict[str, Any]:
 
 
 WARM = "after (warm: this process published the last version)"
+
+
+def round_results(project: Any) -> list[Any]:
+    """Results of the round for the publish to mark aggregated (one per work unit project_start fed, each
+    its own update of 64 samples): the same rows every trial, a real UPDATE each time."""
+    from datetime import timedelta
+
+    from django.utils import timezone
+
+    from projects.models import Result
+
+    deadline = timezone.now() + timedelta(days=1)
+    volunteer = project.owner
+    return [
+        Result.objects.create(work_unit=unit, volunteer=volunteer, deadline=deadline, samples=64, loss=2.3)
+        for unit in project.work_units.all()
+    ]
 
 
 def _saved(training: Any) -> None:

@@ -526,6 +526,21 @@ def test_quantizing_a_chunk_at_a_time_gives_the_padded_formulas_bits(blocks: int
     assert torch.equal(got_q, q.to(torch.int8).reshape(-1)[: x.numel()])
 
 
+def test_a_header_built_once_per_layout_follows_new_shapes_dtypes_and_metadata() -> None:
+    """Headers are built once per names, dtypes and shapes (and metadata): tensors under the same names
+    with other shapes or dtypes, or other metadata, get their own."""
+    first = {"w": torch.randn(3, 4), "n": torch.tensor([1], dtype=torch.int64)}
+    reshaped = {"w": torch.randn(4, 3), "n": torch.tensor([1], dtype=torch.int64)}
+    retyped = {"w": torch.randn(3, 4), "n": torch.tensor([1], dtype=torch.int32)}
+    for tensors in (first, reshaped, retyped, first):
+        decoded, _ = decode(encode(tensors))
+        assert {k: (v.dtype, v.shape) for k, v in decoded.items()} == {
+            k: (v.dtype, v.shape) for k, v in tensors.items()
+        }
+        assert all(torch.equal(decoded[k], v) for k, v in tensors.items())
+    assert decode(encode(first, metadata={"step": "2"}))[1]["step"] == "2"
+
+
 def test_encode_fp32_named_is_encode_parts_in_named_pieces_of_the_tensors_own_memory() -> None:
     """The publish step hashes each tensor once stepped: the pieces must be the blob's bytes in order,
     and the tensors' memory itself (a change to a tensor is a change to its piece)."""
