@@ -99,6 +99,10 @@ def work_units_feed(*, project_id: int) -> int:
             return created
         size = _round_plan(project=project, version=version)
         target = version.round_target or project.round_samples
+        if project.rounds_overlap:
+            # A unit ready for each device that ends one before the round closes: its next starts at once,
+            # and counts in the next round if this one closes first (unsent ones are renewed then).
+            target *= 2
         missing = target - _samples_covered(project=project, version=version)
         created = _round_create(project=project, version=version, size=size, missing=missing)
         project.save(update_fields=["data_cursor"])

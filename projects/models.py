@@ -286,6 +286,12 @@ class Project(models.Model):
         help_text="Rounds grow with the volunteers connected: a work unit for each of them. Sync SGD shares "
         "round_samples (the target batch) between them; averaging sizes each unit to take target_seconds.",
     )
+    overlap_rounds = models.BooleanField(
+        default=False,
+        help_text="Crowd-sized averaging: devices never wait for a round to close. Work in flight when it "
+        "closes is folded into the next round, one version stale (DiLoCo's one-step-delayed outer update), "
+        "and every unit takes target_seconds.",
+    )
     # Next training sample to hand out; work units walk the training split in order, epoch after epoch.
     data_cursor = models.PositiveBigIntegerField(default=0)
     created_at = models.DateTimeField(auto_now_add=True)
@@ -333,12 +339,19 @@ class Project(models.Model):
         fits = int(seconds * gflops * 1e9 / max(self.flops_per_sample, 1))
         return max(1, min(self.max_unit_samples, fits))
 
+    @property
+    def rounds_overlap(self) -> bool:
+        """overlap_rounds, where it applies: a round's units on the version before count in it too."""
+        return self.overlap_rounds and self.crowd_rounds and self.mode == self.Mode.AVERAGING
+
     def unit_seconds(self, *, round_age: float) -> float:
         """How long a work unit sent `round_age` seconds into its round should take: target_seconds, except in
         a crowd-sized averaging round while its target_seconds run, where a unit ends with them (at least a
         quarter of them from now), so that devices that started late or came back for more finish with the
-        others rather than hold the round."""
-        if not (self.crowd_rounds and self.mode == self.Mode.AVERAGING) or round_age >= self.target_seconds:
+        others rather than hold the round. Not when rounds overlap: a unit then counts in whichever round is
+        open when it ends."""
+        ends_with_round = self.crowd_rounds and self.mode == self.Mode.AVERAGING and not self.overlap_rounds
+        if not ends_with_round or round_age >= self.target_seconds:
             return float(self.target_seconds)
         return max(self.target_seconds / 4, self.target_seconds - round_age)
 

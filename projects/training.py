@@ -38,7 +38,7 @@ from functools import partial
 import torch
 from django.conf import settings
 from django.db import connection, transaction
-from django.db.models import QuerySet
+from django.db.models import Q, QuerySet, Sum
 from django.utils import timezone
 
 from engine import aggregate, codecs, optim
@@ -135,8 +135,16 @@ def round_ready(*, project_id: int) -> bool:
         return pipeline.step_complete(project=project, current=current)
     if project.mode == Project.Mode.ASYNC_SGD:
         return _pending_results(project=project, current=current).exists()
-    samples = current.valid_samples
+    samples = _round_samples(project=project, current=current)
     return samples > 0 and _round_complete(project=project, current=current, samples=samples)
+
+
+def _round_samples(*, project: Project, current: ModelVersion) -> int:
+    """The round's valid samples: counted on its version by each verdict, except when rounds overlap, where
+    the version before also holds results of the round before (one sum over the round's results)."""
+    if not project.rounds_overlap:
+        return current.valid_samples
+    return _pending_results(project=project, current=current).aggregate(n=Sum("samples"))["n"] or 0
 
 
 def _pending(*, project: Project, current: ModelVersion) -> list[Result]:
@@ -153,8 +161,16 @@ def _pending_results(*, project: Project, current: ModelVersion) -> QuerySet[Res
         canonical_for__isnull=False,
     )
     if project.mode != Project.Mode.ASYNC_SGD:
-        results = results.filter(work_unit__version=current)
+        results = results.filter(_round_units(project=project, current=current))
     return results
+
+
+def _round_units(*, project: Project, current: ModelVersion) -> Q:
+    """Results of the work units that make the round on `current`: those on `current`, and when rounds
+    overlap (Project.rounds_overlap) those on the version before, still in flight when its round closed."""
+    if not project.rounds_overlap:
+        return Q(work_unit__version=current)
+    return Q(work_unit__project=project, work_unit__version__number__gte=current.number - 1)
 
 
 def _round_complete(*, project: Project, current: ModelVersion, samples: int) -> bool:
@@ -167,7 +183,7 @@ def _round_complete(*, project: Project, current: ModelVersion, samples: int) ->
     # target or timed out: closing first would cancel them as "late" (no credit, no verdict on their merits)
     # although they were on time, and which verdict a result got would depend on which worker ran first.
     # Each decision asks for the step again, and the wait is bounded (_awaiting_validation).
-    return (target_met or expired) and not _awaiting_validation(current)
+    return (target_met or expired) and not _awaiting_validation(project=project, current=current)
 
 
 def round_close_samples(*, project: Project, current: ModelVersion) -> int:
@@ -181,13 +197,13 @@ def round_close_samples(*, project: Project, current: ModelVersion) -> int:
     return target
 
 
-def _awaiting_validation(current: ModelVersion) -> bool:
+def _awaiting_validation(*, project: Project, current: ModelVersion) -> bool:
     # Results that passed their checks and wait for a replica do not hold the round: the replica may never
     # come. Closing the round cancels them as late. Nor do results the server has failed to judge for
     # VALIDATION_GIVE_UP_SECONDS (the transitioner gives them up), so a round always closes in the end.
     recent = timezone.now() - timedelta(seconds=VALIDATION_GIVE_UP_SECONDS)
     return Result.objects.filter(
-        work_unit__version=current,
+        _round_units(project=project, current=current),
         status=Result.Status.RECEIVED,
         validation=Result.Validation.PENDING,
         checked=False,
@@ -235,8 +251,11 @@ def _updates(results: list[Result]) -> Iterator[codecs.Packed]:
 
 
 def _weight(*, project: Project, current: ModelVersion, result: Result) -> float:
+    # Overlapping rounds fold a delta one version stale at full weight, as DiLoCo's delayed outer step does.
     staleness = current.number - result.work_unit.version.number
-    return result.samples * (project.staleness_weight(staleness=staleness) if staleness else 1.0)
+    if not staleness or project.rounds_overlap:
+        return float(result.samples)
+    return result.samples * project.staleness_weight(staleness=staleness)
 
 
 def _combine(
@@ -464,9 +483,10 @@ def _cancel_stale(*, project: Project, version: ModelVersion) -> None:
     stale = WorkUnit.objects.filter(
         project=project, status=WorkUnit.Status.OPEN, version__number__lt=version.number
     )
-    if project.mode == Project.Mode.ASYNC_SGD:
-        # In async mode work in flight stays useful until the staleness bound; only unsent work is renewed.
-        bound = version.number - project.staleness_bound
+    if project.mode == Project.Mode.ASYNC_SGD or project.rounds_overlap:
+        # In async mode work in flight stays useful until the staleness bound, in overlapping rounds for one
+        # round more (_round_units); only unsent work is renewed.
+        bound = version.number - (2 if project.rounds_overlap else project.staleness_bound)
         stale = stale.filter(total_results=0) | stale.filter(version__number__lte=bound)
     work_units_cancel(work_units=list(stale), reason="a new model version was published")
 

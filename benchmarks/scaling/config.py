@@ -47,6 +47,15 @@ METHODS_AVG_SETTINGS: dict[str, Any] = {
     "local_batch_size": LOCAL_MINIBATCH,
 }
 
+CROWD_SETTINGS: dict[str, Any] = {
+    **METHODS_AVG_SETTINGS,
+    "crowd_rounds": True,
+    "target_seconds": TARGET_SECONDS,
+    "round_samples": LOCAL_MINIBATCH * UNITS_PER_ROUND,
+    "round_timeout": 4 * TARGET_SECONDS,
+    "weights_delta_codec": "int8",  # as the demos: a device holding the last version gets its delta
+}
+
 METHODS: dict[str, Method] = {
     "sync": Method(
         "fp32 sync_sgd (gradients every step)",
@@ -67,19 +76,20 @@ METHODS: dict[str, Method] = {
     "avg_crowd": Method(
         "int8 averaging, crowd rounds (a unit per device, target_seconds each)",
         LOCAL_MINIBATCH,
-        {
-            **METHODS_AVG_SETTINGS,
-            "crowd_rounds": True,
-            "target_seconds": TARGET_SECONDS,
-            "round_samples": LOCAL_MINIBATCH * UNITS_PER_ROUND,
-            "round_timeout": 4 * TARGET_SECONDS,
-            "weights_delta_codec": "int8",  # as the demos: a device holding the last version gets its delta
-        },
+        CROWD_SETTINGS,
         f"the platform's crowd-sized rounds as in production: a round has a work unit for every connected "
         f"device (at least {UNITS_PER_ROUND}), each sized to take {TARGET_SECONDS} s of local SGD steps "
         "of 64 (lr 0.05, momentum 0.9) on that device, so the round grows with the fleet and its devices "
         "finish together; outer Nesterov lr 1.0 momentum 0.9 on the sample-weighted mean delta; int8 "
         "updates, weights down as int8 deltas",
+    ),
+    "avg_crowd_overlap": Method(
+        "int8 averaging, crowd rounds that overlap (DiLoCo's one-step-delayed outer update)",
+        LOCAL_MINIBATCH,
+        {**CROWD_SETTINGS, "overlap_rounds": True},
+        "avg_crowd's rounds, but no device waits for one to close (issue 15 item 5): a device that ends its "
+        "unit is sent its next at once, every unit takes target_seconds, and work still in flight when a "
+        "round closes is averaged into the next round, one version stale, at full weight",
     ),
     "avg_4bit": Method(
         "int4 model averaging, 24,000-sample units (issue 15 item 6: 1/400 of sync's bytes)",

@@ -326,6 +326,7 @@ def _plot_bytes(ax: Any, rows: list[Row], methods: list[str], ns: list[int]) -> 
 # --- the heterogeneous runs (issue 15 items 7 and 5) -----------------------------------------------------
 
 HETERO_HEAD = (
+    "method",
     "N",
     "t->target s",
     "versions",
@@ -344,6 +345,7 @@ HETERO_HEAD = (
 def _hetero_cells(r: Row) -> tuple[str, ...]:
     base, busy, churn = r["baseline"], r["busy"], r["churn"]["done"]
     return (
+        r["method"],
         str(r["volunteers"]),
         f"{r['seconds_to_target']:.1f}"
         if r["reached"]
@@ -426,10 +428,9 @@ def _plot_hetero_speedups(ax: Any, rows: list[Row], target: float) -> None:
     ns = sorted({r["volunteers"] for r in rows})
     ax.plot([1, *ns], [1, *ns], "k:", label="linear")
     ax.plot([GOAL_HETERO_AT], [GOAL_HETERO_SPEEDUP], "k*", ms=10, label=f"goal {GOAL_HETERO_SPEEDUP:g}x")
-    ours = [r for r in rows if r["baseline"]["speedup"]]
-    ax.plot(
-        [r["volunteers"] for r in ours], [r["baseline"]["speedup"] for r in ours], "o-", label="avg_crowd"
-    )
+    for method in dict.fromkeys(r["method"] for r in rows):
+        ours = [r for r in rows if r["method"] == method and r["baseline"]["speedup"]]
+        ax.plot([r["volunteers"] for r in ours], [r["baseline"]["speedup"] for r in ours], "o-", label=method)
     ax.set(
         xscale="log",
         yscale="log",
@@ -443,7 +444,8 @@ def _plot_hetero_speedups(ax: Any, rows: list[Row], target: float) -> None:
 def _plot_busy(ax: Any, rows: list[Row]) -> None:
     for r in rows:
         pairs = r["busy"]["per_device_gflops_busy"]
-        ax.plot([g for g, _ in pairs], [b for _, b in pairs], "o", ms=3, label=f"N={r['volunteers']}")
+        label = f"{r['method']} N={r['volunteers']}"
+        ax.plot([g for g, _ in pairs], [b for _, b in pairs], "o", ms=3, label=label)
     ax.axhline(GOAL_BUSY, color="grey", lw=0.8, ls="--", label=f"goal {GOAL_BUSY:.0%}")
     ax.set(
         xscale="log",

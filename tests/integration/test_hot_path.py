@@ -304,7 +304,7 @@ def test_hot_queries_use_indexes_on_tables_never_analyzed(
         list(lifecycle.results_awaiting_quorum(work_unit_ids=[result.work_unit_id]))
         lifecycle.results_unvalidated()
         current = mlp_project.current_version()
-        training._awaiting_validation(current)
+        training._awaiting_validation(project=mlp_project, current=current)
         list(training._pending(project=mlp_project, current=current))
         training._hold_arrivals(project=mlp_project, current=current)
     with CaptureQueriesContext(connection) as batch:

@@ -12,12 +12,20 @@ import pytest
 import torch
 from django.contrib.auth.models import User
 from django.db import connection, transaction
+from django.db.models import Sum
 from django.utils import timezone
 
 from engine import codecs
 from projects import lifecycle, tasks, training
 from projects.models import Dataset, ModelVersion, Project, Result, WorkUnit
-from projects.services import version_evaluate, version_rewire, version_weights, version_wire_weights
+from projects.services import (
+    project_create,
+    project_start,
+    version_evaluate,
+    version_rewire,
+    version_weights,
+    version_wire_weights,
+)
 from projects.validation import recompute
 from tests.integration.volunteer import assign, receive, tampered
 from workers import fitting, protocol
@@ -80,6 +88,49 @@ def test_averaging_takes_an_outer_nesterov_step_on_the_mean_delta(
     expected = torch_step(v0, mean(updates), lr=0.7, momentum=0.9, nesterov=True)
     for name, value in expected.items():
         torch.testing.assert_close(published[name], value, rtol=1e-5, atol=1e-6)
+
+
+def test_overlapping_rounds_fold_work_still_in_flight_into_the_next_round(
+    researcher: User, digits_dataset: Dataset, volunteer_user: User, other_volunteer: User
+) -> None:
+    """DiLoCo's one-step-delayed outer update: a unit sent on version 0 and returned after its round closed
+    is not cancelled but averaged, at full weight, into the step from version 1 to 2."""
+    settings = {"mode": "averaging", "codec": "fp32", "learning_rate": 1.0, "momentum": 0.0}
+    settings |= {"batch_size": 50, "round_samples": 100}
+    project = project_create(
+        owner=researcher, name="Overlap", dataset=digits_dataset, preset="mlp", settings=settings
+    )
+    Project.objects.filter(pk=project.pk).update(crowd_rounds=True, overlap_rounds=True)
+    project_start(project=Project.objects.get(pk=project.pk))
+    v0 = project.current_version()
+    # Two devices' worth of units planned (none connected: round_samples / batch_size), twice that fed.
+    assert v0.work_units.count() == 4 and v0.work_units.aggregate(n=Sum("count"))["n"] == 2 * 2000
+    late_user = User.objects.create_user("carol", password="carol-pass-123")
+    a, b, late = assign(volunteer_user), assign(other_volunteer), assign(late_user)
+    for user, result in ((volunteer_user, a), (other_volunteer, b)):
+        assert receive(user, result).status == "valid"
+    v1 = ModelVersion.objects.get(project=project, number=1)
+    assert WorkUnit.objects.get(pk=late.work_unit_id).status == WorkUnit.Status.OPEN  # still in flight
+    assert v0.work_units.filter(status=WorkUnit.Status.CANCELLED).count() == 1  # never sent
+
+    stale = (recompute(work_unit=late.work_unit), late.work_unit.count)
+    assert receive(late_user, late).status == "valid"
+    assert not ModelVersion.objects.filter(project=project, number=2).exists()  # 1,000 of 1,800 samples
+    fresh = assign(volunteer_user)
+    assert fresh.work_unit.version == v1
+    updates = [stale, (recompute(work_unit=fresh.work_unit), fresh.work_unit.count)]
+    assert receive(volunteer_user, fresh).status == "valid"
+    published = version_weights(version=ModelVersion.objects.get(project=project, number=2))
+    expected = torch_step(version_weights(version=v1), mean(updates), lr=1.0)
+    for name, value in expected.items():
+        torch.testing.assert_close(published[name], value, rtol=1e-5, atol=1e-6)
+
+
+def test_overlapping_units_take_target_seconds_whenever_they_are_sent(mlp_project: Project) -> None:
+    project = fp32(mlp_project, mode="averaging", crowd_rounds=True, target_seconds=40)
+    assert project.unit_seconds(round_age=30) == 10  # ends with the round
+    project.overlap_rounds = True
+    assert project.rounds_overlap and project.unit_seconds(round_age=30) == 40
 
 
 def test_a_round_closes_at_its_timeout_and_drops_the_straggler(
