@@ -214,7 +214,9 @@ class Project(models.Model):
         default=60, help_text="Seconds after which a round closes with whatever valid results arrived."
     )
     staleness_bound = models.PositiveIntegerField(
-        default=4, help_text="Async: results computed on a version this many steps old or more are dropped."
+        default=4,
+        help_text="Async and overlapping rounds: results computed on a version this many steps old or more "
+        "are dropped.",
     )
     target_seconds = models.PositiveIntegerField(
         default=20, help_text="Work units are sized to take this long."
@@ -289,8 +291,8 @@ class Project(models.Model):
     overlap_rounds = models.BooleanField(
         default=False,
         help_text="Crowd-sized averaging: devices never wait for a round to close. Work in flight when it "
-        "closes is folded into the next round, one version stale (DiLoCo's one-step-delayed outer update), "
-        "and every unit takes target_seconds.",
+        "closes is folded into the next round (DiLoCo's one-step-delayed outer update; within "
+        "staleness_bound), and every unit takes target_seconds.",
     )
     # Next training sample to hand out; work units walk the training split in order, epoch after epoch.
     data_cursor = models.PositiveBigIntegerField(default=0)

@@ -167,10 +167,12 @@ def _pending_results(*, project: Project, current: ModelVersion) -> QuerySet[Res
 
 def _round_units(*, project: Project, current: ModelVersion) -> Q:
     """Results of the work units that make the round on `current`: those on `current`, and when rounds
-    overlap (Project.rounds_overlap) those on the version before, still in flight when its round closed."""
+    overlap (Project.rounds_overlap) those on earlier versions within the staleness bound, still in flight
+    when their rounds closed (a unit takes about a round, so mostly the version before)."""
     if not project.rounds_overlap:
         return Q(work_unit__version=current)
-    return Q(work_unit__project=project, work_unit__version__number__gte=current.number - 1)
+    oldest = current.number - project.staleness_bound
+    return Q(work_unit__project=project, work_unit__version__number__gt=oldest)
 
 
 def _round_complete(*, project: Project, current: ModelVersion, samples: int) -> bool:
@@ -251,11 +253,10 @@ def _updates(results: list[Result]) -> Iterator[codecs.Packed]:
 
 
 def _weight(*, project: Project, current: ModelVersion, result: Result) -> float:
-    # Overlapping rounds fold a delta one version stale at full weight, as DiLoCo's delayed outer step does.
-    staleness = current.number - result.work_unit.version.number
-    if not staleness or project.rounds_overlap:
-        return float(result.samples)
-    return result.samples * project.staleness_weight(staleness=staleness)
+    # Overlapping rounds fold a delta one version stale at full weight, as DiLoCo's delayed outer step does:
+    # there, that is every unit's staleness.
+    staleness = current.number - result.work_unit.version.number - project.rounds_overlap
+    return result.samples * (project.staleness_weight(staleness=staleness) if staleness > 0 else 1.0)
 
 
 def _combine(
@@ -484,9 +485,9 @@ def _cancel_stale(*, project: Project, version: ModelVersion) -> None:
         project=project, status=WorkUnit.Status.OPEN, version__number__lt=version.number
     )
     if project.mode == Project.Mode.ASYNC_SGD or project.rounds_overlap:
-        # In async mode work in flight stays useful until the staleness bound, in overlapping rounds for one
-        # round more (_round_units); only unsent work is renewed.
-        bound = version.number - (2 if project.rounds_overlap else project.staleness_bound)
+        # In async mode and overlapping rounds (_round_units) work in flight stays useful until the staleness
+        # bound; only unsent work is renewed.
+        bound = version.number - project.staleness_bound
         stale = stale.filter(total_results=0) | stale.filter(version__number__lte=bound)
     work_units_cancel(work_units=list(stale), reason="a new model version was published")
 
