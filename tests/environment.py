@@ -14,7 +14,11 @@ os.environ.setdefault("REDIS_URL", "redis://127.0.0.1:6379/15")
 os.environ.setdefault("CELERY_TASK_ALWAYS_EAGER", "1")
 # Each project a test creates would train its one-CPU baseline eagerly (minutes): off unless a test asks.
 os.environ.setdefault("CROWDTRAIN_BASELINE_SECONDS", "0")
-os.environ.setdefault("CROWDTRAIN_VAR_DIR", tempfile.mkdtemp(prefix="crowdtrain-test-"))
+# Under pytest-xdist (`make test` runs three workers) each worker has a var dir (blobs, uploads) of its own
+# below the run's: tests that check which blob files a request left behind must not see another worker's.
+_WORKER = os.environ.get("PYTEST_XDIST_WORKER", "")
+_VAR = os.environ.get("CROWDTRAIN_VAR_DIR") or tempfile.mkdtemp(prefix="crowdtrain-test-")
+os.environ["CROWDTRAIN_VAR_DIR"] = os.path.join(_VAR, _WORKER) if _WORKER else _VAR
 # WhiteNoise warns on every request when STATIC_ROOT is missing; tests serve static files from the finders.
 os.makedirs(os.path.join(os.environ["CROWDTRAIN_VAR_DIR"], "static"), exist_ok=True)
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "config.settings")
@@ -46,10 +50,9 @@ def _own_redis(worker: str) -> str:
     return f"redis://127.0.0.1:{port}"
 
 
-# Under pytest-xdist (`make test` runs three workers) each worker has its own databases and Redis:
-# pytest-django suffixes the test database with the worker's name, stacks prefix theirs, and every worker
-# but the first starts a Redis server, so that one worker's DROP DATABASE or FLUSHDB never hits another's.
-_WORKER = os.environ.get("PYTEST_XDIST_WORKER", "")
+# Each xdist worker has its own databases and Redis too: pytest-django suffixes the test database with the
+# worker's name, stacks prefix theirs, and every worker but the first starts a Redis server, so that one
+# worker's DROP DATABASE or FLUSHDB never hits another's.
 if _WORKER:
     _PREFIX = os.environ.get("CROWDTRAIN_STACK_DB_PREFIX", "")
     os.environ["CROWDTRAIN_STACK_DB_PREFIX"] = f"{_PREFIX}{_WORKER}_"

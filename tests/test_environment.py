@@ -1,5 +1,5 @@
 """tests/environment.py: `make test` runs pytest-xdist workers, and none may touch another's
-databases or Redis (a stack's DROP DATABASE or FLUSHDB in one would break the other's tests)."""
+databases, Redis or blob files (a stack's DROP DATABASE or FLUSHDB in one would break the other's tests)."""
 
 from __future__ import annotations
 
@@ -35,6 +35,7 @@ def test_probe(n):
         "stack_redis": stack.REDIS_SERVER,
         "redis_url": os.environ["REDIS_URL"],
         "database_url": os.environ["DATABASE_URL"],
+        "var_dir": os.environ["CROWDTRAIN_VAR_DIR"],
     }))
 """
 
@@ -61,6 +62,8 @@ def test_two_workers_get_their_own_stack_databases_and_redis(tmp_path: Path) -> 
     assert first["stack_redis"] != second["stack_redis"]
     assert first["redis_url"] != second["redis_url"]
     assert first["database_url"] == second["database_url"]  # pytest-django adds each worker's suffix
+    # Blob files too: a test counting the files a request left must not see the other worker's.
+    assert Path(first["var_dir"]).name == "gw0" and Path(second["var_dir"]).name == "gw1"
     # The second worker's own server is stopped with it: nothing it started is left running.
     with pytest.raises(redis.ConnectionError):
         redis.Redis.from_url(second["redis_url"], socket_connect_timeout=2).ping()
