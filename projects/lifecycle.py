@@ -149,10 +149,12 @@ def _device_units(*, project: Project, speeds: list[float], units: int) -> list[
     device, so that a fleet whose speeds spread 10x finishes its round together (Hivemind's rule) instead of
     fast devices waiting for slow ones given the median's unit. The feeder cuts units of the largest size and
     _send gives each device the front that fits its speed. Units beyond the devices (one volunteer computes
-    several in turn) take the median device's size."""
+    several in turn) take the median device's size; with no device connected, batch_size: a speed guessed
+    for nobody planned a first round no real fleet finished before its timeout (once units could hold the
+    whole training split), whereas a small one closes at once and the next is planned for who came."""
     sized = [max(project.batch_size, project.work_unit_samples(gflops=speed)) for speed in speeds]
-    typical = max(project.batch_size, project.work_unit_samples(gflops=median(speeds or [1.0])))
-    return sized + [typical] * (units - len(sized))
+    typical = max(project.batch_size, project.work_unit_samples(gflops=median(speeds))) if speeds else 0
+    return sized + [max(project.batch_size, typical)] * (units - len(sized))
 
 
 def _connected_speeds() -> list[float]:

@@ -160,6 +160,18 @@ def test_crowd_averaging_units_take_target_seconds_on_the_device(mlp_project: Pr
     assert project.current_version().round_target == 4 * min(fits, shard_samples)
 
 
+def test_a_crowd_averaging_round_fed_before_any_device_connects_is_small(mlp_project: Project) -> None:
+    """No speed is known: round_samples in units of batch_size, not units sized for a guessed device (which,
+    up to the whole training split each, planned a first round no real fleet finished)."""
+    Project.objects.filter(pk=mlp_project.pk).update(
+        mode="averaging", batch_size=10, round_samples=20, crowd_rounds=True, target_seconds=100
+    )
+    WorkUnit.objects.filter(project=mlp_project).delete()
+    lifecycle.work_units_feed(project_id=mlp_project.pk)
+    assert list(WorkUnit.objects.filter(project=mlp_project).values_list("count", flat=True)) == [10, 10]
+    assert mlp_project.current_version().round_target == 20
+
+
 def test_crowd_averaging_sizes_each_unit_for_its_own_device(mlp_project: Project) -> None:
     """Speeds spread 10x: each device's unit takes target_seconds on that device, not on the median one, so
     the fast device is not left waiting for slow ones (the median's unit would be 60 samples for all)."""
