@@ -100,8 +100,12 @@ def _holding_blobs(*, batch: int) -> list[int]:
 def _releasable(work_units: models.QuerySet[WorkUnit]) -> models.QuerySet[WorkUnit]:
     """Decided work units whose updates nobody reads again: no instance out or awaiting a verdict (a late
     replica is judged against the canonical update), and the canonical update aggregated or superseded (a
-    synchronous round never aggregates an older version's results; async aggregates every one)."""
-    superseded = _superseded() & ~Q(project__mode=Project.Mode.ASYNC_SGD)
+    synchronous round never aggregates an older version's results; async and overlapping rounds do)."""
+    # Overlapping rounds fold units still in flight into a later round, as async does (training._round_units).
+    overlapping = Q(
+        project__overlap_rounds=True, project__crowd_rounds=True, project__mode=Project.Mode.AVERAGING
+    )
+    superseded = _superseded() & ~Q(project__mode=Project.Mode.ASYNC_SGD) & ~overlapping
     settled = Q(canonical_result__isnull=True) | Q(canonical_result__aggregated=True) | superseded
     return work_units.filter(settled, status__in=DECIDED).exclude(Exists(_busy()))
 

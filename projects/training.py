@@ -87,7 +87,7 @@ def _close_round(*, project: Project, current: ModelVersion) -> ModelVersion | N
     if project.is_pipeline:
         return pipeline.step_publish(project=project, current=current)
     _hold_arrivals(project=project, current=current)
-    results = list(_pending(project=project, current=current))
+    results = [r for r in _pending(project=project, current=current) if _readable(r)]
     samples = sum(r.samples for r in results)
     if not results or not _round_complete(project=project, current=current, samples=samples):
         return None
@@ -103,6 +103,14 @@ def _hold_arrivals(*, project: Project, current: ModelVersion) -> None:
         return
     out = Result.objects.filter(work_unit__version=current, status=Result.Status.IN_PROGRESS)
     list(out.select_for_update(no_key=True, of=("self",)).order_by("pk").values_list("pk", flat=True))
+
+
+def _readable(result: Result) -> bool:
+    """A valid result whose update is gone (released by storage.py) cannot be folded in: it is left out of
+    the round, which must not stall on it."""
+    if result.blob_id is None:
+        logger.error("result %s is valid and not aggregated but its update is gone; left out", result.pk)
+    return result.blob_id is not None
 
 
 def _version_announce(*, version: ModelVersion) -> None:

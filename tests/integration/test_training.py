@@ -16,7 +16,7 @@ from django.db.models import Sum
 from django.utils import timezone
 
 from engine import codecs
-from projects import lifecycle, tasks, training
+from projects import lifecycle, storage, tasks, training
 from projects.models import Dataset, ModelVersion, Project, Result, WorkUnit
 from projects.services import (
     project_create,
@@ -103,8 +103,8 @@ def test_overlapping_rounds_fold_work_still_in_flight_into_the_next_round(
     Project.objects.filter(pk=project.pk).update(crowd_rounds=True, overlap_rounds=True)
     project_start(project=Project.objects.get(pk=project.pk))
     v0 = project.current_version()
-    # Two devices' worth of units planned (none connected: round_samples / batch_size), twice that fed.
-    assert v0.work_units.count() == 4 and v0.work_units.aggregate(n=Sum("count"))["n"] == 2 * 2000
+    # No device connected: round_samples in units of batch_size planned, twice that fed.
+    assert v0.work_units.count() == 4 and v0.work_units.aggregate(n=Sum("count"))["n"] == 2 * 100
     late_user = User.objects.create_user("carol", password="carol-pass-123")
     a, b, late = assign(volunteer_user), assign(other_volunteer), assign(late_user)
     for user, result in ((volunteer_user, a), (other_volunteer, b)):
@@ -115,7 +115,9 @@ def test_overlapping_rounds_fold_work_still_in_flight_into_the_next_round(
 
     stale = (recompute(work_unit=late.work_unit), late.work_unit.count)
     assert receive(late_user, late).status == "valid"
-    assert not ModelVersion.objects.filter(project=project, number=2).exists()  # 1,000 of 1,800 samples
+    assert not ModelVersion.objects.filter(project=project, number=2).exists()  # 50 of 90 samples
+    storage.storage_release_decided()  # its version is superseded, but its update is still to be folded in
+    assert Result.objects.get(pk=late.pk).blob is not None
     fresh = assign(volunteer_user)
     assert fresh.work_unit.version == v1
     updates = [stale, (recompute(work_unit=fresh.work_unit), fresh.work_unit.count)]
@@ -124,6 +126,21 @@ def test_overlapping_rounds_fold_work_still_in_flight_into_the_next_round(
     expected = torch_step(version_weights(version=v1), mean(updates), lr=1.0)
     for name, value in expected.items():
         torch.testing.assert_close(published[name], value, rtol=1e-5, atol=1e-6)
+
+
+def test_a_valid_result_whose_update_is_gone_is_left_out_and_the_round_still_closes(
+    mlp_project: Project, volunteer_user: User, other_volunteer: User
+) -> None:
+    project = fp32(mlp_project)
+    first = assign(volunteer_user)
+    assert receive(volunteer_user, first).status == "valid"
+    Result.objects.filter(pk=first.pk).update(blob=None)  # as storage.py would have released it
+    second = assign(other_volunteer)
+    Project.objects.filter(pk=project.pk).update(round_samples=second.work_unit.count)
+    assert receive(other_volunteer, second).status == "valid"
+    version = ModelVersion.objects.get(project=project, number=1)
+    assert version.samples == second.work_unit.count
+    assert not Result.objects.get(pk=first.pk).aggregated
 
 
 def test_overlapping_units_take_target_seconds_whenever_they_are_sent(mlp_project: Project) -> None:
