@@ -67,25 +67,30 @@ def limits_for(*, device: Device | None, preferences: Preferences, memory_mb: fl
 
 def fit(*, work_unit: WorkUnit, limits: Limits) -> Fit:
     """How many samples of `work_unit` (its project, version and shard with their blobs loaded) fit."""
-    blobs = work_unit_blobs(work_unit, held=limits.sent)
+    shards = [] if work_unit.stage_kind else _shard_blobs(work_unit)  # one query, read by both checks
+    blobs = work_unit_blobs(work_unit, held=limits.sent, shards=shards)
     download = sum(size for sha, size in blobs.items() if sha not in limits.sent)
     if limits.download_left is not None and download > limits.download_left:
         return Fit(0, "download_limit")
     if limits.work_unit_bytes is not None and download > limits.work_unit_bytes:
         return Fit(0, "too_large")
     caps = [cap for cap in (limits.work_unit_bytes, limits.memory_bytes) if cap is not None]
-    samples = _samples_within(work_unit=work_unit, cap=min(caps)) if caps else work_unit.count
+    samples = _samples_within(work_unit=work_unit, shards=shards, cap=min(caps)) if caps else work_unit.count
     return Fit(samples, "" if samples else "too_large")
 
 
-def work_unit_blobs(work_unit: WorkUnit, *, held: Collection[str] = ()) -> dict[str, int]:
+def work_unit_blobs(
+    work_unit: WorkUnit, *, held: Collection[str] = (), shards: list[Blob] | None = None
+) -> dict[str, int]:
     """{sha256: size} of what a browser downloads for `work_unit`, given the blobs it `held` (sent on its
-    connection): weights it builds from the previous version's and a delta cost the delta's size."""
+    connection): weights it builds from the previous version's and a delta cost the delta's size.
+    `shards`: its shard blobs (_shard_blobs), if the caller has them."""
     if work_unit.stage_kind:  # a pipeline stage unit: its stage's graph and weights, and its activations
         parts = (work_unit.stage_graph, work_unit.stage_weights, work_unit.input_blob, work_unit.grad_blob)
         return _sizes([work_unit.shard.blob, *(blob for blob in parts if blob is not None)])
     version = work_unit.version
-    sizes = _sizes([work_unit.project.graph, version.wire_blob, *_shard_blobs(work_unit)])
+    shards = _shard_blobs(work_unit) if shards is None else shards
+    sizes = _sizes([work_unit.project.graph, version.wire_blob, *shards])
     if version.wire_delta is not None and version.wire_base in held:
         sizes[version.wire_blob.sha256] = version.wire_delta.size
     return sizes
@@ -101,11 +106,11 @@ def _sizes(blobs: list[Blob]) -> dict[str, int]:
     return {blob.sha256: blob.size for blob in blobs}
 
 
-def _samples_within(*, work_unit: WorkUnit, cap: int) -> int:
+def _samples_within(*, work_unit: WorkUnit, shards: list[Blob], cap: int) -> int:
     if work_unit.stage_kind:  # its micro-batch is fixed; its stage was cut to fit the device budget
         return work_unit.count if stages.unit_stage(work_unit=work_unit).memory.total <= cap else 0
     params, activations = model_memory(work_unit.project.graph)
-    fixed = MODEL_COPIES * params + sum(_sizes(_shard_blobs(work_unit)).values())  # each shard held once
+    fixed = MODEL_COPIES * params + sum(_sizes(shards).values())  # each shard held once
     if fixed + activations > cap:
         return 0
     batch = work_unit.project.local_batch_size if work_unit.project.task == "local_steps" else math.inf
