@@ -256,6 +256,145 @@ def work_unit_offer(
         return Offer(result, why)
 
 
+# --- sending in batches ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class OfferRequest:
+    """One volunteer's `ready` in a batch (work_units_offer), with what its connection holds."""
+
+    user: User
+    preferences: Preferences
+    device: Device | None = None
+    memory_mb: float | None = None
+
+
+@dataclass
+class _Batch:
+    """The open work units one batch chooses from: locked, in the order work_unit_offer would take them, and
+    which of them each volunteer of the batch holds an instance of already."""
+
+    order: list[int]
+    units: dict[int, WorkUnit]
+    complete: bool  # every open unit nobody else has locked is listed: what is not here, no search finds
+    held: set[tuple[int, int]]  # (work unit, volunteer)
+    charges: dict[int, int]  # flops sent per project, charged once at the end
+
+    def sent(self, *, work_unit: WorkUnit, user_id: int, split: bool) -> None:
+        """`split`: its rest became a new unit (lifecycle._split_to_fit), which the list does not hold."""
+        self.complete = self.complete and not split
+        if work_unit.pk in self.units:  # the search's own copy of a unit listed here: the list's is stale now
+            self.units[work_unit.pk] = work_unit
+        self.held.add((work_unit.pk, user_id))
+        self.charges[work_unit.project_id] = self.charges.get(work_unit.project_id, 0) + stages.unit_flops(
+            work_unit=work_unit
+        )
+
+
+def work_units_offer(*, requests: list[OfferRequest]) -> list[Offer]:
+    """work_unit_offer for several volunteers at once, in their order: a web process gathers the `ready`s
+    of its connections while its previous batch runs (workers/offers.py). One transaction; the volunteers'
+    rows in one query; the work units taken from one locked list of the open ones, where each `ready`
+    compiled and ran its own search (a third of daphne's CPU at 64 volunteers, issue 15); each project's
+    usage charged once. A volunteer for whom the first unit in line does not do (its device's limits, a
+    pipeline stage unit) gets work_unit_offer's own search, in the same transaction."""
+    volunteers = _volunteers(user_ids=[request.user.pk for request in requests])
+    now = timezone.now()
+    if not work_sendable():
+        return [
+            Offer(None, "no_work" if volunteers[r.user.pk].may_work(now=now) else "backoff") for r in requests
+        ]
+    with transaction.atomic():
+        order = shares_order()
+        batch = _batch_for(order=order, requests=requests)
+        offers = [_batch_offer(request=r, volunteer=volunteers[r.user.pk], batch=batch) for r in requests]
+        for project_id, flops in sorted(batch.charges.items()):  # last, in id order (as work_unit_offer)
+            usage_charge(project_id=project_id, flops=flops)
+    return offers
+
+
+def _volunteers(*, user_ids: list[int]) -> dict[int, Volunteer]:
+    found = {v.user_id: v for v in Volunteer.objects.filter(user_id__in=user_ids)}
+    for user_id in set(user_ids) - found.keys():
+        found[user_id], _ = Volunteer.objects.get_or_create(user_id=user_id)
+    return found
+
+
+def _batch_for(*, order: list[int], requests: list[OfferRequest]) -> _Batch:
+    """Two open units per request at most (a unit wanted twice, a volunteer holding one already), locked
+    (SKIP LOCKED: another process's batch takes the next ones) until the batch commits."""
+    rank = Case(
+        *(When(project_id=pk, then=Value(i)) for i, pk in enumerate(order)), default=Value(len(order))
+    )
+    limit = 2 * len(requests)
+    units = list(
+        _sendable()
+        .select_for_update(skip_locked=True, of=("self",), no_key=True)
+        .select_related(*_SENT_WITH)
+        .order_by(rank, "version__created_at", "id")[:limit]
+    )
+    user_ids = [request.user.pk for request in requests]
+    held = Result.objects.filter(work_unit__in=units, volunteer_id__in=user_ids)
+    return _Batch(
+        order=order,
+        units={unit.pk: unit for unit in units},
+        complete=len(units) < limit,
+        held=set(held.values_list("work_unit_id", "volunteer_id")),
+        charges={},
+    )
+
+
+def _batch_offer(*, request: OfferRequest, volunteer: Volunteer, batch: _Batch) -> Offer:
+    if not volunteer.may_work(now=timezone.now()):
+        return Offer(None, "backoff")
+    first = _first_in_line(request=request, batch=batch)
+    if first is None and batch.complete:
+        # Once a round is handed out, most of a batch finds none left: no search would find one either.
+        return Offer(None, "no_work")
+    user, device = request.user, request.device
+    limits = fitting.limits_for(device=device, preferences=request.preferences, memory_mb=request.memory_mb)
+    work_unit, samples = _fitting_first(work_unit=first, limits=limits)
+    if work_unit is None:
+        device_id = device.pk if device else None
+        work_unit, samples, why = _fitting_work_unit(
+            user=user, preferences=request.preferences, limits=limits, order=batch.order, device_id=device_id
+        )
+        if work_unit is None:
+            return Offer(None, why)
+    count = work_unit.count
+    result = _send(
+        work_unit=work_unit, samples=samples, user=user, volunteer=volunteer, device=device, limits=limits
+    )
+    batch.sent(work_unit=work_unit, user_id=user.pk, split=work_unit.count < count)
+    why = _why_chosen(
+        work_unit=work_unit, user=user, preferences=request.preferences, running=len(batch.order)
+    )
+    return Offer(result, why)
+
+
+def _first_in_line(*, request: OfferRequest, batch: _Batch) -> WorkUnit | None:
+    """The batch's first unit still wanted that the volunteer allows and holds no instance of; a stage unit
+    first in line whatever it holds (its own rules: _new_to, swarms.py)."""
+    for unit in batch.units.values():
+        if unit.wanted <= 0 or not request.preferences.allows(unit.project_id):
+            continue
+        if unit.stage_kind or (unit.pk, request.user.pk) not in batch.held:
+            return unit
+    return None
+
+
+def _fitting_first(*, work_unit: WorkUnit | None, limits: fitting.Limits) -> tuple[WorkUnit | None, int]:
+    """The unit first in line with the samples the device takes of it, if it fits whole (or, fresh, in
+    part); else none, and work_unit_offer's search decides as it would have: it knows stage units, and which
+    units and projects to skip when one does not fit."""
+    if work_unit is None or work_unit.stage_kind:
+        return None, 0
+    fit = fitting.fit(work_unit=work_unit, limits=limits)
+    if fit.samples and (fit.samples >= work_unit.count or not work_unit.total_results):
+        return work_unit, fit.samples
+    return None, 0
+
+
 def _fitting_work_unit(
     *,
     user: User,
@@ -399,17 +538,21 @@ def _next_open_work_unit(
         .filter(swarms.stage_units_eligible(device_id=device_id))
         .select_for_update(skip_locked=True, of=("self",), no_key=True)
         .filter(_new_to(user=user))
-        .select_related(
-            "project",
-            "version__weights",
-            "version__wire_weights",
-            "version__wire_delta",
-            "shard__blob",
-            "project__graph",
-        )
+        .select_related(*_SENT_WITH)
         .order_by(rank, *swarms.stage_units_own_first(device_id=device_id), "version__created_at", "id")
         .first()
     )
+
+
+# What sending a unit reads: the assign message, fitting and the unit's FLOPs.
+_SENT_WITH = (
+    "project",
+    "version__weights",
+    "version__wire_weights",
+    "version__wire_delta",
+    "shard__blob",
+    "project__graph",
+)
 
 
 def _new_to(*, user: User) -> Q:

@@ -25,13 +25,13 @@ from config.db import database_sync_to_async
 from projects import notify
 from projects.lifecycle import (
     MAX_IN_FLIGHT,
+    OfferRequest,
     ResultError,
     result_receive,
     result_refuse,
     results_release,
-    work_unit_offer,
 )
-from workers import fitting, limits, protocol
+from workers import fitting, limits, offers, protocol
 from workers.models import Device
 from workers.preferences import DEFAULTS, Preferences, preferences_effective
 from workers.presence import PRESENCE
@@ -211,9 +211,10 @@ class VolunteerConsumer(SignallingMixin, RingMixin, AsyncWebsocketConsumer):  # 
     async def on_ready(self, message: protocol.Ready | None = None) -> None:
         if len(self.assigned) >= MAX_IN_FLIGHT:
             raise ProtocolError("busy", f"Finish a work unit first: at most {MAX_IN_FLIGHT} at a time.")
-        offer = await database_sync_to_async(work_unit_offer)(
-            user=self.user, device=self.device, preferences=self.preferences, memory_mb=self.memory_mb
+        request = OfferRequest(
+            user=self.user, preferences=self.preferences, device=self.device, memory_mb=self.memory_mb
         )
+        offer = await offers.batcher().offer(request)
         if offer.result is None:
             self.waiting = True
             await self.send_json(protocol.idle_message(offer.why))

@@ -17,8 +17,9 @@ same stack. Per N, after a warm-up, over a window of --seconds:
 Volunteers hold the dataset's shards already (immutable blobs a browser keeps) and are trusted (their streak
 of valid results set past the project's threshold once they are connected), so spot checks run at the
 project's default rate for trusted volunteers (spot_check_rate). py-spy and pg_stat_activity (every 20 ms):
-with --profile N, daphne, the worker, the validator and the database are sampled for --profile-seconds after
-that N's window (not inside it), their top frames and statements written to
+with --profile N, daphne, the worker, the validator (py-spy --gil: only the thread running Python, so that
+waits for PostgreSQL or a lock do not hide where the CPU goes) and the database are sampled for
+--profile-seconds after that N's window (not inside it), their top frames and statements written to
 benchmarks/results/server-throughput-profile-*.txt.
 
 Prints a table, writes benchmarks/results/server-throughput.json and server-throughput.png. The stacks'
@@ -288,8 +289,8 @@ def profile(stack: TreeStack, label: str, seconds: float) -> dict[str, str]:
     raw = {p: Path(tempfile.mkstemp(suffix=f"-{p}.txt")[1]) for p in PROFILED}
     runs = [
         subprocess.Popen(
-            [str(spy), "record", "--nonblocking", "-r", "50", "-d", str(int(seconds)), "-f", "raw", "-o",
-             str(raw[p]), "-p", str(stack.processes[p].pid)],
+            [str(spy), "record", "--nonblocking", "--gil", "-r", "50", "-d", str(int(seconds)), "-f", "raw",
+             "-o", str(raw[p]), "-p", str(stack.processes[p].pid)],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
         )
         for p in PROFILED
@@ -362,7 +363,7 @@ def top_frames(collapsed: str, *, title: str, top: int = 30) -> str:
         for frame in set(frames):
             inclusive[frame] += int(count)
     ours = Counter({f: c for f, c in inclusive.items() if f.rpartition("(")[2].startswith(OWN_CODE)})
-    lines = [f"py-spy, {title}: {total} samples (idle threads not sampled)"]
+    lines = [f"py-spy --gil, {title}: {total} samples (the thread holding the GIL: CPU, not waits)"]
     for name, counter in (("inclusive", inclusive), ("platform code, inclusive", ours), ("self", own)):
         lines.append(f"-- top {top} {name}")
         lines += [f"{100 * c / max(total, 1):6.1f}%  {f}" for f, c in counter.most_common(top)]

@@ -1,0 +1,218 @@
+"""Ready volunteers served in batches (lifecycle.work_units_offer) on PostgreSQL: the same work as one at a
+time, one search for the batch, and over the socket a round's waiting volunteers served together."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import threading
+from datetime import timedelta
+from typing import Any
+
+import pytest
+from asgiref.sync import async_to_sync
+from channels.db import database_sync_to_async
+from django.contrib.auth.models import User
+from django.db import connection
+from django.test.utils import CaptureQueriesContext
+from django.utils import timezone
+
+from projects import lifecycle
+from projects.lifecycle import OfferRequest, work_units_offer
+from projects.models import Project, Result, WorkUnit
+from tests.integration.test_consumers import greet, send
+from workers import consumers, offers
+from workers.models import ComputingPreferences, Volunteer
+from workers.preferences import DEFAULTS, preferences_effective
+from workers.services import device_register
+
+pytestmark = pytest.mark.django_db
+
+
+def _crowd(count: int, prefix: str = "ready") -> list[User]:
+    users = [User.objects.create_user(f"{prefix}-{i:03d}") for i in range(count)]
+    for user in users:
+        device_register(user=user, client_id=f"b-{user.pk}", backend="wasm", gflops=5.0, user_agent="")
+    Volunteer.objects.update(consecutive_valid=1000)  # trusted: no replicas unless a test asks
+    return users
+
+
+def _requests(users: list[User], **changes: Any) -> list[OfferRequest]:
+    requests = []
+    for user in users:
+        device = user.volunteer.devices.get()
+        preferences = preferences_effective(volunteer_id=device.volunteer_id, device_id=device.pk)
+        requests.append(OfferRequest(user=user, preferences=preferences, device=device, **changes))
+    return requests
+
+
+def _round_of(project: Project, units: int) -> list[int]:
+    Project.objects.filter(pk=project.pk).update(
+        batch_size=1, round_samples=units, crowd_rounds=False, spot_check_rate=0.0
+    )
+    WorkUnit.objects.filter(project=project).delete()
+    lifecycle.work_units_feed(project_id=project.pk)
+    return list(WorkUnit.objects.filter(project=project).order_by("id").values_list("pk", flat=True))
+
+
+def test_a_batch_sends_each_volunteer_the_unit_one_at_a_time_would(mlp_project: Project) -> None:
+    units = _round_of(mlp_project, 40)
+    users = _crowd(12)
+    offered = work_units_offer(requests=_requests(users))
+    assert [o.result.work_unit_id for o in offered if o.result] == units[:12]  # oldest first, in their order
+    assert all(o.why == "only" for o in offered)
+    sent = Result.objects.filter(status="in_progress")
+    assert sorted(sent.values_list("volunteer_id", flat=True)) == sorted(u.pk for u in users)
+    assert WorkUnit.objects.filter(pk__in=units[:12], wanted=0, total_results=1).count() == 12
+    # The devices' downloads are counted as one at a time counts them.
+    assert all(u.volunteer.devices.get().downloads.get().work_units == 1 for u in users)
+    # ... and the next volunteer, alone, gets the thirteenth.
+    alone = lifecycle.work_unit_assign(user=_crowd(1, "late")[0])
+    assert alone is not None and alone.work_unit_id == units[12]
+
+
+def test_a_batch_searches_the_open_units_once_whatever_its_size(mlp_project: Project) -> None:
+    """Each `ready` compiled and ran the search for its unit, under locks: a third of daphne's CPU at 64
+    volunteers (issue 15). A batch runs it once, and charges its project's usage once."""
+    _round_of(mlp_project, 40)
+    requests = _requests(_crowd(16))
+    with CaptureQueriesContext(connection) as queries:
+        offered = work_units_offer(requests=requests)
+    assert sum(o.result is not None for o in offered) == 16
+    sql = [q["sql"] for q in queries.captured_queries]
+    assert sum("SKIP LOCKED" in s for s in sql) == 1
+    assert sum(s.lstrip().startswith('INSERT INTO "projects_projectusage"') for s in sql) == 1
+    # Per volunteer: its device's day (locked), the unit's update, the instance, the day's new count.
+    assert len(sql) <= 4 * 16 + 8, len(sql)
+
+
+def test_the_rest_of_a_batch_once_the_round_is_handed_out_costs_no_search(mlp_project: Project) -> None:
+    """Readies outnumber the units left: those that find none left in the batch's complete list are told
+    so, without searching the open units again or locking their devices' day."""
+    units = _round_of(mlp_project, 4)
+    requests = _requests(_crowd(12))
+    with CaptureQueriesContext(connection) as queries:
+        offered = work_units_offer(requests=requests)
+    assert [o.result.work_unit_id for o in offered if o.result] == units
+    assert [o.why for o in offered[4:]] == ["no_work"] * 8
+    sql = [q["sql"] for q in queries.captured_queries]
+    assert sum("SKIP LOCKED" in s for s in sql) == 1
+    assert sum(s.lstrip().startswith('INSERT INTO "workers_devicedownload"') for s in sql) == 4
+
+
+def test_a_batch_follows_each_volunteers_choice_of_projects(
+    mlp_project: Project, second_project: Project
+) -> None:
+    _round_of(mlp_project, 4)
+    second = _round_of(second_project, 4)
+    anyone, choosy = _requests(_crowd(2))
+    only_second = dataclasses.replace(
+        choosy.preferences,
+        projects=ComputingPreferences.Projects.ONLY,
+        chosen_projects=frozenset({second_project.pk}),
+    )
+    offered = work_units_offer(requests=[dataclasses.replace(choosy, preferences=only_second), anyone])
+    assert offered[0].result is not None and offered[0].result.work_unit_id == second[0]
+    assert offered[0].why == "choice"
+    assert offered[1].result is not None
+
+
+def test_a_batch_tells_who_is_held_back_and_who_finds_nothing(mlp_project: Project) -> None:
+    _round_of(mlp_project, 1)
+    held_back, first, second = _requests(_crowd(3))
+    Volunteer.objects.filter(user=held_back.user).update(no_work_until=timezone.now() + timedelta(days=1))
+    offered = work_units_offer(requests=[held_back, first, second])
+    assert [o.result is not None for o in offered] == [False, True, False]
+    assert [offered[0].why, offered[2].why] == ["backoff", "no_work"]
+    # Nothing sendable at all: one EXISTS for the whole batch, and the volunteers' rows.
+    with CaptureQueriesContext(connection) as queries:
+        again = work_units_offer(requests=[held_back, second])
+    assert [o.why for o in again] == ["backoff", "no_work"] and len(queries) == 2
+
+
+def test_a_unit_wanted_twice_goes_to_two_volunteers_never_twice_to_one(mlp_project: Project) -> None:
+    """Two devices of one volunteer in one batch: a replica compared by a quorum comes from someone else."""
+    (unit,) = _round_of(mlp_project, 1)
+    WorkUnit.objects.filter(pk=unit).update(wanted=2, target_results=2, min_quorum=2)
+    user = _crowd(1)[0]
+    device_register(user=user, client_id="second-browser", backend="wasm", gflops=5.0, user_agent="")
+    other = _crowd(1, "other")[0]
+    devices = list(user.volunteer.devices.order_by("pk"))
+    twice = [OfferRequest(user=user, preferences=DEFAULTS, device=d) for d in devices]
+    offered = work_units_offer(requests=[*twice, *_requests([other])])
+    assert [o.result.volunteer_id if o.result else None for o in offered] == [user.pk, None, other.pk]
+    assert WorkUnit.objects.get(pk=unit).wanted == 0
+
+
+def test_a_device_the_first_unit_does_not_fit_gets_what_the_search_says(mlp_project: Project) -> None:
+    _round_of(mlp_project, 4)
+    (tiny,) = _requests(_crowd(1))
+    offered = work_units_offer(requests=[dataclasses.replace(tiny, memory_mb=0.001)])
+    alone = lifecycle.work_unit_offer(user=tiny.user, device=tiny.device, memory_mb=0.001)
+    assert offered[0].result is None and offered[0].why == alone.why == "too_large"
+
+
+@pytest.mark.django_db(transaction=True)
+def test_concurrent_batches_never_send_a_unit_twice(mlp_project: Project) -> None:
+    _round_of(mlp_project, 40)
+    users = _crowd(12)
+    sent: list[int] = []
+
+    def process(group: list[User]) -> None:
+        try:
+            requests = _requests(group)
+            while offered := [o for o in work_units_offer(requests=requests) if o.result is not None]:
+                sent.extend(o.result.work_unit_id for o in offered if o.result)
+        finally:
+            connection.close()
+
+    threads = [threading.Thread(target=process, args=(users[i::3],)) for i in range(3)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(120)
+    assert len(sent) == len(set(sent)) == 40
+    assert Result.objects.filter(status="in_progress").count() == 40
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_round_opening_serves_its_waiting_volunteers_in_batches(
+    mlp_project: Project, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Over the socket: eight volunteers wait; the round opens; all eight get distinct units, in fewer
+    database calls than volunteers."""
+    Project.objects.filter(pk=mlp_project.pk).update(batch_size=1, round_samples=8, spot_check_rate=0.0)
+    WorkUnit.objects.filter(project=mlp_project).update(status=WorkUnit.Status.CANCELLED)
+    users = _crowd(8)
+    sizes: list[int] = []
+    serve = offers.work_units_offer
+
+    def counted(*, requests: list[OfferRequest]) -> list[lifecycle.Offer]:
+        sizes.append(len(requests))
+        return serve(requests=requests)
+
+    monkeypatch.setattr(offers, "work_units_offer", counted)
+    # Every waiting connection hears the news at once (no jitter): the first starts a batch, the rest wait.
+    monkeypatch.setattr(consumers.random, "uniform", lambda a, b: 0.0)
+
+    async def scenario() -> list[int]:
+        sockets = [await greet(user) for user in users]
+        idle = await asyncio.gather(*(send(s, {"type": "ready"}) for s in sockets))
+        assert {m["type"] for m in idle} == {"idle"}
+        sizes.clear()
+        await database_sync_to_async(lifecycle.work_units_feed)(project_id=mlp_project.pk)
+        await database_sync_to_async(_announce)()
+        assigns = [await s.receive_json_from(timeout=10) for s in sockets]
+        for s in sockets:
+            await s.disconnect()
+        return [m["work_unit"]["id"] for m in assigns if m["type"] == "assign"]
+
+    given = async_to_sync(scenario)()
+    assert len(given) == len(set(given)) == 8
+    assert sum(sizes) == 8 and len(sizes) < 8, sizes
+
+
+def _announce() -> None:
+    from projects import notify
+
+    notify.work_available()
