@@ -36,7 +36,8 @@ from __future__ import annotations
 import logging
 import math
 from collections import Counter
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 from statistics import median
@@ -134,7 +135,7 @@ def results_validate(*, result_id: int, limit: int = BATCH_SIZE) -> list[int]:
     isolation (a savepoint each: one that raises condemns only itself), all in one transaction. Returns the
     ids of every result decided, for the caller to announce once this commits (training.results_decided):
     late results get their verdict too, so no volunteer waits for an answer that never comes."""
-    with transaction.atomic():
+    with transaction.atomic(), _reading_once():
         first = _locked_pending(result_id=result_id)
         if first is None:
             return []  # decided already (by another task's batch, or a retry of this one)
@@ -172,6 +173,37 @@ class Verdicts:
 
 # The verdicts of the result being judged in results_validate's batch (staged by _validate and _settle).
 _verdicts: ContextVar[Verdicts | None] = ContextVar("verdicts", default=None)
+
+
+@dataclass
+class ReadOnce:
+    """What every result of a batch reads alike, read once per project and batch: its current version's
+    number and its recent update norms, as they stood when the batch began (a batch's own verdicts are not
+    the history its results are compared with). Read for each result, they were three of its queries."""
+
+    versions: dict[int, int] = field(default_factory=dict)
+    norms: dict[int, list[float]] = field(default_factory=dict)
+
+
+_read_once: ContextVar[ReadOnce | None] = ContextVar("read_once", default=None)
+
+
+@contextmanager
+def _reading_once() -> Iterator[None]:
+    token = _read_once.set(ReadOnce())
+    try:
+        yield
+    finally:
+        _read_once.reset(token)
+
+
+def _current_number(project: Project) -> int:
+    memo = _read_once.get()
+    if memo is None:
+        return project.current_version().number
+    if project.pk not in memo.versions:
+        memo.versions[project.pk] = project.current_version().number
+    return memo.versions[project.pk]
 
 
 def _staged(batch: Verdicts, result: Result, judge: Callable[[Result], list[Result]]) -> list[Result]:
@@ -357,7 +389,7 @@ def _lateness(work_unit: WorkUnit) -> str | None:
     if work_unit.status == WorkUnit.Status.VALIDATED and work_unit.canonical_result_id is None:
         return "this work unit was already decided"
     project = work_unit.project
-    staleness = project.current_version().number - work_unit.version.number
+    staleness = _current_number(project) - work_unit.version.number
     if project.mode == Project.Mode.ASYNC_SGD and not project.staleness_weight(staleness=staleness):
         return f"computed on a version {staleness} steps old (the bound is {project.staleness_bound})"
     return None
@@ -425,7 +457,7 @@ def _norm(update: Tensors) -> float:
 
 def _norm_problem(*, result: Result, norm: float) -> str | None:
     project = result.work_unit.project
-    recent = _recent_norms(project=project)
+    recent = _norms_before(project=project)
     result.update_norm = norm
     mine = _per_step(norm, project=project, samples=result.samples)
     if len(recent) < 5 or mine <= NORM_OUTLIER_FACTOR * median(recent):
@@ -444,6 +476,15 @@ def _per_step(norm: float, *, project: Project, samples: int) -> float:
 
 # Newest valid norms of all projects read to find a project's NORM_HISTORY (see _recent_norms).
 NORM_SCAN = 25 * NORM_HISTORY
+
+
+def _norms_before(*, project: Project) -> list[float]:
+    memo = _read_once.get()
+    if memo is None:
+        return _recent_norms(project=project)
+    if project.pk not in memo.norms:
+        memo.norms[project.pk] = _recent_norms(project=project)
+    return memo.norms[project.pk]
 
 
 def _recent_norms(*, project: Project) -> list[float]:

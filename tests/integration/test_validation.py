@@ -11,6 +11,7 @@ import pytest
 import torch
 from django.contrib.auth.models import User
 from django.db import connection, transaction
+from django.test.utils import CaptureQueriesContext
 from safetensors.torch import save as st_save
 
 from engine import codecs
@@ -530,6 +531,19 @@ def test_one_validation_decides_every_result_waiting_in_its_project_and_credits_
         .values_list("results_accepted", "consecutive_valid")
         .distinct()
     ) == [(1, 1)]
+
+
+def test_a_batch_reads_its_projects_version_and_norm_history_once(mlp_project: Project) -> None:
+    """Each result read the project's current version and its recent norms (three queries): a batch of 12
+    read them 12 times. Now once, as they stood when the batch began; each result still gets its norm."""
+    results = _waiting(mlp_project, 12)
+    with CaptureQueriesContext(connection) as queries:
+        assert tasks.validate_result(results[0].pk) == 12
+    sql = [q["sql"] for q in queries.captured_queries]
+    versions = [s for s in sql if s.startswith('SELECT "projects_modelversion"') and "ORDER BY" in s]
+    assert len(versions) == 2, versions  # the batch's, and round_ready's once it committed
+    assert sum("BETWEEN" in s and '"projects_result"' in s for s in sql) == 1  # _recent_norms' window
+    assert all(judged(r).is_valid and judged(r).update_norm for r in results)
 
 
 def test_a_result_whose_validation_raises_condemns_only_itself_in_a_batch(
