@@ -19,9 +19,10 @@ and daphne's file descriptors and memory are sampled at each step. Prints a tabl
 benchmarks/results/server-sockets.json. The database is dropped and created anew (Stack).
 
 At scale (tens of thousands of sockets) the clients are not this process: one client process per
-`--per-client` volunteers (a Python event loop handles ~10-15k sockets), each on a loopback source address of
-its own (127.0.0.2, 127.0.0.3, ...), as one source address reaches one server port through at most the
-~28,000 ephemeral ports of net.ipv4.ip_local_port_range. Every socket is a file descriptor in daphne and in a
+`--per-client` volunteers (a Python event loop handles ~10-15k sockets). Each volunteer connects from a
+loopback address of its own (source_address), as browsers come from their own: one address holds at most 4
+admissions at once (config/admission.py), and one reaches one server port through at most the ~28,000
+ephemeral ports of net.ipv4.ip_local_port_range. Every socket is a file descriptor in daphne and in a
 client: run as root, the benchmark raises its own hard RLIMIT_NOFILE (children inherit it) to what N needs;
 otherwise the operator raises it first (`ulimit -Hn 131072` as root in the shell that runs it, or
 `prlimit --nofile=131072:131072 -- .venv/bin/python -m benchmarks.server.sockets ...`). Raising a hard
@@ -96,23 +97,29 @@ PREVIOUS = {
     "page_p99_ms": {"ramp": 3368.3, "idle": 1172.6, "storm at once": 13520.7, "after close": 1003.8},
 }
 PER_CLIENT = 12_500  # sockets per client process
-SOURCE_BASE = "127.0.0."  # client process i binds its sockets to 127.0.0.(2 + i)
+
+
+def source_address(index: int) -> str:
+    """Volunteer `index`'s own loopback address (127.0.0.0/8 is all loopback): volunteers come from as many
+    addresses as there are of them, as browsers do, not from one (one address held at most 4 admissions at
+    once, config/admission.py, and the last runs measured that bound instead of the server)."""
+    return f"127.{1 + index // 62_500}.{index // 250 % 250}.{2 + index % 250}"
 
 
 @dataclass
 class Volunteer:
     cookie: str
     device: str
+    source: str  # its own address (source_address)
     socket: ClientConnection | None = None
 
 
 @dataclass
 class Client:
-    """One client process's volunteers, all on one loopback source address."""
+    """One client process's volunteers, each on a loopback address of its own."""
 
     url: str
     origin: str
-    source: str
     volunteers: list[Volunteer]
     turned_away: int = 0  # attempts the server closed at once with 4503 (config/admission.py)
 
@@ -144,7 +151,7 @@ class Client:
             open_timeout=30,
             ping_interval=None,  # daphne pings; the library answers
             max_queue=None,  # broadcasts nobody reads must not stop the pongs
-            local_addr=(self.source, 0),
+            local_addr=(volunteer.source, 0),
         )
 
     async def ramp(self, concurrency: int) -> dict[str, Any]:
@@ -331,7 +338,10 @@ def make_volunteers(n: int) -> list[Volunteer]:
         batch_size=5000,
     )
     name = settings.SESSION_COOKIE_NAME
-    return [Volunteer(cookie=f"{name}={key}", device=secrets.token_hex(8)) for key in keys]
+    return [
+        Volunteer(cookie=f"{name}={key}", device=secrets.token_hex(8), source=source_address(i))
+        for i, key in enumerate(keys)
+    ]
 
 
 def start_clients(stack: Stack, volunteers: list[Volunteer], per_client: int) -> list[Any]:
@@ -339,8 +349,8 @@ def start_clients(stack: Stack, volunteers: list[Volunteer], per_client: int) ->
     context = multiprocessing.get_context("spawn")
     url = stack.url.replace("http://", "ws://") + "/ws/volunteer/"
     clients = []
-    for index, start in enumerate(range(0, len(volunteers), per_client)):
-        client = Client(url, stack.url, f"{SOURCE_BASE}{2 + index}", volunteers[start : start + per_client])
+    for start in range(0, len(volunteers), per_client):
+        client = Client(url, stack.url, volunteers[start : start + per_client])
         ours, theirs = context.Pipe()
         process = context.Process(target=client_main, args=(theirs, client), daemon=True)
         process.start()
@@ -491,7 +501,7 @@ async def scenario(bench: Bench, args: argparse.Namespace) -> dict[str, Any]:
 def setup(args: argparse.Namespace, var_dir: Path) -> Stack:
     extra = {
         "CROWDTRAIN_SOCKET_HEARTBEAT_SECONDS": str(args.heartbeat),
-        # A few source addresses for every volunteer: the per-address throttle would refuse them.
+        # The connect throttle counts reconnects per address in a minute: a storm's retries would hit it.
         "CROWDTRAIN_WS_CONNECTS_PER_MINUTE_IP": str(10 * (args.volunteers + 2 * args.storm)),
     }
     stack = Stack(var_dir=var_dir, database=args.database, redis_db=args.redis_db, extra_env=extra)
