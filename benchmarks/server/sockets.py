@@ -501,6 +501,7 @@ async def scenario(bench: Bench, args: argparse.Namespace) -> dict[str, Any]:
 def setup(args: argparse.Namespace, var_dir: Path) -> Stack:
     extra = {
         "CROWDTRAIN_SOCKET_HEARTBEAT_SECONDS": str(args.heartbeat),
+        "DJANGO_DEBUG": "0",  # as in production (and benchmarks/server/throughput.py)
         # The connect throttle counts reconnects per address in a minute: a storm's retries would hit it.
         "CROWDTRAIN_WS_CONNECTS_PER_MINUTE_IP": str(10 * (args.volunteers + 2 * args.storm)),
     }

@@ -7,6 +7,7 @@ import json
 import threading
 from typing import Any
 
+import channels.consumer
 import pytest
 from asgiref.sync import async_to_sync
 from channels.db import database_sync_to_async
@@ -64,6 +65,34 @@ def test_anonymous_connections_are_refused(db: None) -> None:
         assert not connected and code == 4401
 
     async_to_sync(scenario)()
+
+
+def test_frames_and_events_do_not_queue_through_the_one_thread_for_synchronous_code(
+    mlp_project: Project, volunteer_user: User, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Channels closed stale database connections before every frame and event in daphne's single thread
+    for synchronous code: a broadcast to 3,000 volunteers queued 3,000 hops there, and pages waited behind."""
+    hops: list[int] = []
+
+    async def counted() -> None:
+        hops.append(1)
+
+    monkeypatch.setattr(channels.consumer, "aclose_old_connections", counted)
+
+    async def scenario() -> None:
+        communicator = await greet(volunteer_user)
+        assert (await send(communicator, {"type": "ready"}))["type"] == "assign"
+        await database_sync_to_async(_announce_work)()
+        await communicator.disconnect()
+
+    async_to_sync(scenario)()
+    assert hops == []
+
+
+def _announce_work() -> None:
+    from projects import notify
+
+    notify.work_available()
 
 
 def test_assign_result_ack_over_the_socket(mlp_project: Project, volunteer_user: User) -> None:
