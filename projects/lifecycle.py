@@ -298,7 +298,7 @@ def work_units_offer(*, requests: list[OfferRequest]) -> list[Offer]:
     compiled and ran its own search (a third of daphne's CPU at 64 volunteers, issue 15); each project's
     usage charged once. A volunteer for whom the first unit in line does not do (its device's limits, a
     pipeline stage unit) gets work_unit_offer's own search, in the same transaction."""
-    volunteers = _volunteers(user_ids=[request.user.pk for request in requests])
+    volunteers = _volunteers(users=[request.user for request in requests])
     now = timezone.now()
     if not work_sendable():
         return [
@@ -313,10 +313,12 @@ def work_units_offer(*, requests: list[OfferRequest]) -> list[Offer]:
     return offers
 
 
-def _volunteers(*, user_ids: list[int]) -> dict[int, Volunteer]:
-    found = {v.user_id: v for v in Volunteer.objects.filter(user_id__in=user_ids)}
-    for user_id in set(user_ids) - found.keys():
-        found[user_id], _ = Volunteer.objects.get_or_create(user_id=user_id)
+def _volunteers(*, users: list[User]) -> dict[int, Volunteer]:
+    """The volunteers' rows in one query; a user without one yet gets it (volunteer_ensure)."""
+    found = {v.user_id: v for v in Volunteer.objects.filter(user__in=users)}
+    for user in users:
+        if user.pk not in found:
+            found[user.pk] = volunteer_ensure(user=user)
     return found
 
 
