@@ -7,17 +7,17 @@ it outlived its socket?): 60 ms of the one event loop every second with 50,000 i
 page waited behind it. Here it visits only the connections that disconnected or whose application ended
 since (a set filled by daphne's own hooks), with daphne's own logic, and keeps those still pending.
 
-It also freezes what start-up made (Django, the app, ~300,000 objects) out of the garbage collector's way:
-each full collection walked them all, a 137 ms pause of the event loop every time."""
+It also keeps the garbage collector's full collections from walking what lives long (config/heap.py)."""
 
 from __future__ import annotations
 
 import asyncio
-import gc
 from typing import Any
 
 from daphne.cli import CommandLineInterface
 from daphne.server import Server
+
+from config.heap import Heap
 
 
 class WatchingServer(Server):
@@ -26,9 +26,10 @@ class WatchingServer(Server):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.watched: set[Any] = set()
+        self.heap = Heap()
 
     def run(self) -> None:
-        gc.freeze()  # the application is loaded by now: its objects live as long as the process
+        self.heap.start()  # the application is loaded by now
         super().run()
 
     def protocol_disconnected(self, protocol: Any) -> None:
@@ -44,6 +45,7 @@ class WatchingServer(Server):
 
     def application_checker(self) -> None:
         """daphne's check over the watched connections only; those it did not reap stay watched."""
+        self.heap.tick()
         watched, self.watched = self.watched, set()
         everyone: dict[Any, dict[str, Any]] = self.connections
         self.connections = {p: everyone[p] for p in watched if p in everyone}
@@ -57,6 +59,19 @@ class WatchingServer(Server):
                     self.watched.add(protocol)
                 else:
                     del everyone[protocol]
+                    unlink(protocol)
+
+
+def unlink(protocol: Any) -> None:
+    """Break the reference cycles a finished connection leaves (found with gc.DEBUG_SAVEALL), so that its
+    objects are freed by their reference counts, even once frozen (config/heap.py): autobahn resolves a
+    WebSocket's `is_closed` with the protocol itself, and Twisted's HTTP channel keeps the request that
+    became a WebSocket (or was cut off) in its `requests`, which point back at the channel."""
+    if getattr(protocol, "is_closed", None) is not None:
+        protocol.is_closed = None
+    channel = getattr(protocol, "channel", None)
+    if channel is not None and protocol in getattr(channel, "requests", ()):
+        channel.requests.remove(protocol)
 
 
 class WatchingCommandLineInterface(CommandLineInterface):

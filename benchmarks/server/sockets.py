@@ -57,6 +57,8 @@ from websockets.exceptions import ConnectionClosed
 from devstack.stack import REDIS_SERVER, ROOT, Stack
 
 RESULTS = Path(__file__).resolve().parent.parent / "results"
+GC_STARTED = re.compile(r"heap: started; .* pauses from ([0-9.]+) ms logged")
+GC_PAUSE = re.compile(r"heap: full collection paused ([0-9.]+) ms")
 BACKOFF_JS = ROOT / "frontend/static/frontend/backoff.js"
 RETRY_LATER = 4503  # config/admission.py's close code (not imported: the baseline run's tree may lack it)
 # Measured on the landed main before this change (issue 15), for the table's side-by-side column.
@@ -285,6 +287,7 @@ def summary(result: dict[str, Any]) -> dict[str, Any]:
         "storm_at_once": {k: result["storm_at_once"][k] for k in keys},
         "storm_backoff": {k: result["storm_backoff"][k] for k in keys},
         "after_storms": result.get("after_storms"),
+        "gc_pauses": result.get("gc_pauses"),
         "pages_p50_p99_ms": {
             phase: [p.get("p50_ms"), p.get("p99_ms")] for phase, p in result["pages"].items() if "p99_ms" in p
         },
@@ -547,11 +550,32 @@ def table(result: dict[str, Any]) -> str:
             f"  {phase:<22}{p['n']:>6}{p.get('p50_ms', '-'):>9}{p.get('p99_ms', '-'):>9}"
             f"{p.get('max_ms', '-'):>9}"
         )
+    gc_ = result.get("gc_pauses")
+    if gc_:
+        lines.append(
+            f"  daphne's full collections pausing >= {gc_['at_least_ms']} ms: {gc_['n']}, "
+            f"{gc_['total_ms']} ms in all, longest {gc_['max_ms']} ms"
+        )
     for side in result.get("side_by_side", []):
         lines.append(f"  {side['label']}: {json.dumps({k: v for k, v in side.items() if k != 'label'})}")
     lines.append(f"  before (issue 15): {json.dumps(BEFORE)}")
     lines.append(f"  previous run: {json.dumps(PREVIOUS)}")
     return "\n".join(lines)
+
+
+def gc_pauses(log: str) -> dict[str, Any] | None:
+    """daphne's full collections that paused its loop LOG_PAUSE_MS or more, as config/heap.py logs them
+    (None from code that does not log them)."""
+    started = GC_STARTED.search(log)
+    if started is None:
+        return None
+    pauses = [float(ms) for ms in GC_PAUSE.findall(log)]
+    return {
+        "at_least_ms": float(started.group(1)),
+        "n": len(pauses),
+        "total_ms": round(sum(pauses), 1),
+        "max_ms": round(max(pauses, default=0.0), 1),
+    }
 
 
 def run(args: argparse.Namespace, var_dir: Path) -> dict[str, Any]:
@@ -565,6 +589,7 @@ def run(args: argparse.Namespace, var_dir: Path) -> dict[str, Any]:
             result = asyncio.run(scenario(bench, args))
         finally:
             stop_clients(bench)
+        result["gc_pauses"] = gc_pauses(stack.log("web"))
     result["seed_seconds"] = seeded
     result["client_processes"] = len(bench.clients)
     return result

@@ -131,11 +131,28 @@ def test_the_connection_check_visits_only_what_changed(monkeypatch: pytest.Monke
 def test_start_up_objects_are_frozen_out_of_the_collector(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr("daphne.server.Server.run", lambda self: None)
     gc.unfreeze()
+    server = WatchingServer(application=None, endpoints=["tcp:port=0"])
     try:
-        WatchingServer(application=None, endpoints=["tcp:port=0"]).run()
+        server.run()
         assert gc.get_freeze_count() > 0
+        assert server.heap._collected in gc.callbacks
     finally:
+        gc.callbacks.remove(server.heap._collected)
         gc.unfreeze()
+
+
+def test_a_reaped_connection_is_unlinked(monkeypatch: pytest.MonkeyPatch) -> None:
+    unlinked: list[Any] = []
+    monkeypatch.setattr(web_server, "unlink", unlinked.append)
+    monkeypatch.setattr("daphne.server.reactor", Reactor())
+    server = WatchingServer(application=None, endpoints=["tcp:port=0"])
+    server.connections = {}
+    gone, open_ = object(), object()
+    for protocol in (gone, open_):
+        server.protocol_connected(protocol)
+    server.protocol_disconnected(gone)
+    server.application_checker()
+    assert unlinked == [gone] and open_ in server.connections
 
 
 def test_the_web_server_is_daphne_with_the_watching_server() -> None:

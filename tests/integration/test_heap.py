@@ -1,0 +1,153 @@
+"""The web process's garbage collector (config/heap.py) and the cycles a finished connection leaves
+(config/web_server.unlink): survivors of a full collection are frozen out of the next ones, a frozen cycle
+that dies is still freed once the frozen heap has doubled, and a closed connection's objects are freed by
+their reference counts, with no collection at all."""
+
+from __future__ import annotations
+
+import gc
+import weakref
+from collections.abc import Iterator
+
+import pytest
+from daphne.http_protocol import HTTPFactory, WebRequest
+from daphne.ws_protocol import WebSocketProtocol
+from twisted.internet.defer import Deferred
+from twisted.internet.testing import StringTransport
+from twisted.web.http import HTTPChannel
+
+from config import heap
+from config.heap import Heap
+from config.web_server import WatchingServer, unlink
+
+
+class Node:
+    def __init__(self) -> None:
+        self.other: object = self
+
+
+@pytest.fixture
+def started() -> Iterator[Heap]:
+    gc.collect()
+    state = Heap()
+    state.start()
+    try:
+        yield state
+    finally:
+        gc.callbacks.remove(state._collected)
+        gc.unfreeze()
+
+
+def full_collection_then_tick(state: Heap) -> None:
+    gc.collect()
+    state.tick()
+
+
+def test_survivors_of_a_full_collection_are_frozen_out_of_the_next(started: Heap) -> None:
+    kept = [Node() for _ in range(1000)]
+    before = gc.get_freeze_count()
+    full_collection_then_tick(started)
+    assert gc.get_freeze_count() >= before + 1000
+    collected = {id(o) for o in gc.get_objects()}  # the permanent generation is not listed
+    assert not any(id(k) in collected for k in kept)
+    assert started.full_collections == started.frozen_after == 1
+
+
+def test_no_freeze_without_a_full_collection(started: Heap) -> None:
+    before = gc.get_freeze_count()
+    kept = [Node() for _ in range(1000)]
+    gc.collect(1)
+    started.tick()
+    assert gc.get_freeze_count() < before + len(kept)
+
+
+class Leaf:
+    pass
+
+
+def test_a_frozen_object_that_dies_without_a_cycle_is_freed_at_once(started: Heap) -> None:
+    holder = [Leaf()]
+    alive = weakref.ref(holder[0])
+    full_collection_then_tick(started)
+    holder.clear()
+    assert alive() is None
+
+
+def test_a_dead_frozen_cycle_is_freed_once_the_frozen_heap_has_doubled(
+    started: Heap, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(heap, "SLACK", 0)
+    cycle = Node()
+    dead = weakref.ref(cycle)
+    full_collection_then_tick(started)  # frozen: the first freeze after start-up sets the clean size
+    del cycle
+    gc.collect()
+    assert dead() is not None  # a frozen cycle waits
+    grown = [Node() for _ in range(started.clean + 1)]
+    full_collection_then_tick(started)
+    assert started.valve_opened == 1 and started.walks_all
+    gc.collect()
+    assert dead() is None
+    assert len(grown) > 0
+
+
+def test_the_valve_stays_shut_while_the_frozen_heap_has_not_doubled(started: Heap) -> None:
+    full_collection_then_tick(started)
+    kept = [Node() for _ in range(1000)]
+    full_collection_then_tick(started)
+    assert started.valve_opened == 0 and not started.walks_all
+    assert len(kept) == 1000
+
+
+def without_collector(make: object) -> None:
+    assert callable(make)
+    gc.disable()
+    try:
+        make()
+    finally:
+        gc.enable()
+
+
+def test_a_closed_websocket_is_freed_by_reference_counts() -> None:
+    def make() -> None:
+        protocol = WebSocketProtocol()
+        protocol.is_closed = Deferred()  # txaio's future under Twisted
+        protocol.is_closed.callback(protocol)  # as autobahn resolves it when the socket closes
+        gone = weakref.ref(protocol)
+        unlink(protocol)
+        del protocol
+        assert gone() is None
+
+    without_collector(make)
+
+
+def test_a_request_that_became_a_websocket_is_freed_by_reference_counts() -> None:
+    def make() -> None:
+        server = WatchingServer(application=None, endpoints=["tcp:port=0"])
+        server.connections = {}
+        channel = HTTPChannel()
+        channel.factory = HTTPFactory(server)
+        channel.transport = StringTransport()  # type: ignore[assignment]  # zope's ITransport, unseen by mypy
+        request = WebRequest(channel, queued=False)
+        channel.requests.append(request)  # as Twisted does while the request is served
+        gone = weakref.ref(request), weakref.ref(channel)
+        del server.connections[request]  # reaped by daphne's check
+        unlink(request)
+        del request, channel
+        assert [ref() for ref in gone] == [None, None]
+
+    without_collector(make)
+
+
+def test_without_unlinking_the_same_objects_wait_for_a_collection() -> None:
+    def make() -> None:
+        protocol = WebSocketProtocol()
+        protocol.is_closed = Deferred()
+        protocol.is_closed.callback(protocol)
+        gone = weakref.ref(protocol)
+        del protocol
+        assert gone() is not None
+        gc.collect()
+        assert gone() is None
+
+    without_collector(make)
