@@ -51,6 +51,10 @@ def transition() -> int:
     return len(project_ids)
 
 
+BUSY_RETRIES = 3
+BUSY_SECONDS = 0.25
+
+
 # A validation failing for the server's own reasons (database or broker down, blob unreadable) is retried
 # with backoff, 1 s doubling to 30 s; past that the transitioner queues it again until
 # lifecycle.VALIDATION_GIVE_UP_SECONDS, then gives it up. Any other failure is the result's: it is invalid.
@@ -61,10 +65,16 @@ def transition() -> int:
     retry_backoff_max=30,
     retry_jitter=True,
 )
-def validate_result(result_id: int) -> int:
+def validate_result(result_id: int, busy: int = 0) -> int:
     """Decides the result and the batch of its project's results waiting with it (validation.py); the
-    tasks of those others then find them decided and return at once. Returns how many were decided."""
-    decided = validation.results_validate(result_id=result_id)
+    tasks of those others then find them decided and return at once. Returns how many were decided. A
+    result whose work unit another transaction holds comes back BUSY_SECONDS later, BUSY_RETRIES times,
+    and then waits for it: the holder most often decides it meanwhile, as a batch mate."""
+    try:
+        decided = validation.results_validate(result_id=result_id, wait=busy >= BUSY_RETRIES)
+    except validation.Busy:
+        validate_result.apply_async((result_id,), {"busy": busy + 1}, countdown=BUSY_SECONDS)
+        return 0
     # Announced here, once its transaction committed, not through notify.results_decided's task: the verdict
     # completing a round queues the step with no extra trip through the queue (one round_ready a batch).
     training.results_decided(result_ids=decided)

@@ -128,15 +128,22 @@ CANONICAL_REFERENCE = "the accepted result of this work unit"
 BATCH_SIZE = 32
 
 
-def results_validate(*, result_id: int, limit: int = BATCH_SIZE) -> list[int]:
+class Busy(Exception):
+    """The result's work unit is locked by another transaction: most often another validator's batch that
+    took the result as a batch mate and is deciding it. Waiting for that commit held a validating process
+    idle (seen at 64 volunteers: the two validating processes waited on each other's rows)."""
+
+
+def results_validate(*, result_id: int, limit: int = BATCH_SIZE, wait: bool = True) -> list[int]:
     """Decide a received result: valid (credited, may be aggregated) or invalid (its slice is resent); in
     a replicated work unit, pending until a quorum of results is in, which then decides them all. With it,
     up to `limit - 1` other results of its project waiting for validation (batch_mates), each judged in
     isolation (a savepoint each: one that raises condemns only itself), all in one transaction. Returns the
     ids of every result decided, for the caller to announce once this commits (training.results_decided):
-    late results get their verdict too, so no volunteer waits for an answer that never comes."""
+    late results get their verdict too, so no volunteer waits for an answer that never comes. Not `wait`ing,
+    a work unit another transaction holds raises Busy at once."""
     with transaction.atomic(), _reading_once():
-        first = _locked_pending(result_id=result_id)
+        first = _locked_pending(result_id=result_id, wait=wait)
         if first is None:
             return []  # decided already (by another task's batch, or a retry of this one)
         mates = _batch_mates(first=first, limit=limit - 1)
@@ -234,7 +241,7 @@ def _staged_drop() -> None:
         staged.samples.clear()
 
 
-def _locked_pending(*, result_id: int) -> Result | None:
+def _locked_pending(*, result_id: int, wait: bool = True) -> Result | None:
     """The result, locked after its work unit, if it still waits for its verdict."""
     # The work unit before its results: a quorum decides several results at once, and the work unit's
     # lock serialises them; lifecycle.py takes locks in the same order. Only the work unit's row: locking
@@ -243,7 +250,10 @@ def _locked_pending(*, result_id: int) -> Result | None:
     row = Result.objects.filter(pk=result_id, **_PENDING).values_list("work_unit_id", flat=True).first()
     if row is None:
         return None
-    work_unit = _for_judging(WorkUnit.objects.select_for_update(of=("self",), no_key=True)).get(pk=row)
+    work_units = WorkUnit.objects.select_for_update(of=("self",), no_key=True, skip_locked=not wait)
+    work_unit = _for_judging(work_units).filter(pk=row).first()
+    if work_unit is None:  # the row exists (the result points at it): another transaction holds it
+        raise Busy(f"work unit {row} is locked by another transaction")
     locked = Result.objects.select_for_update(of=("self",), no_key=True)
     # Its volunteer too: trust, credit and verdicts read the user, one query fewer per result.
     result = locked.select_related("blob", "volunteer").filter(pk=result_id, **_PENDING).first()

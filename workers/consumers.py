@@ -32,13 +32,13 @@ from projects.lifecycle import (
     result_refuse,
     results_release,
 )
-from workers import fitting, limits, offers, protocol
+from workers import limits, offers, protocol
 from workers.models import Device
 from workers.preferences import DEFAULTS, Preferences, preferences_effective
 from workers.presence import PRESENCE
 from workers.protocol import ProtocolError, ResultMeta
 from workers.ring import RelayMeta, RingMixin
-from workers.services import device_disconnect, device_register
+from workers.services import device_disconnect, device_hello
 from workers.signalling import SignallingMixin
 
 logger = logging.getLogger(__name__)
@@ -185,7 +185,7 @@ class VolunteerConsumer(SignallingMixin, RingMixin, AsyncWebsocketConsumer):  # 
     async def on_hello(self, message: protocol.Hello) -> None:
         info = protocol.hello_device(message)
         previous = self.device
-        self.device = await database_sync_to_async(device_register)(
+        hello = await database_sync_to_async(device_hello)(
             user=self.user,
             client_id=info.id,
             backend=info.backend,
@@ -193,6 +193,7 @@ class VolunteerConsumer(SignallingMixin, RingMixin, AsyncWebsocketConsumer):  # 
             user_agent=info.user_agent,
             connection=self.channel_name,  # a departure disconnects only the device's current connection
         )
+        self.device, self.preferences = hello.device, hello.preferences
         if previous is not None and previous.pk != self.device.pk:  # a second hello, as another device
             await database_sync_to_async(device_disconnect)(
                 device_id=previous.pk, connection=self.channel_name
@@ -200,8 +201,6 @@ class VolunteerConsumer(SignallingMixin, RingMixin, AsyncWebsocketConsumer):  # 
         PRESENCE.device(self.channel_name, self.device.pk)
         volunteer = self.device.volunteer
         self.memory_mb = info.memory_mb
-        await database_sync_to_async(fitting.download_forget_sent)(device_id=self.device.pk)
-        self.preferences = await self._preferences()
         self.greeted = True
         await self.send_json(
             protocol.welcome_message(

@@ -12,6 +12,7 @@ from django.db import transaction
 from django.utils import timezone
 
 from projects.swarms import stage_members_leave
+from workers.fitting import download_forget_sent
 from workers.models import (
     CreditEntry,
     Device,
@@ -20,6 +21,7 @@ from workers.models import (
     Volunteer,
     VolunteerProjectCredit,
 )
+from workers.preferences import Preferences, preferences_effective
 
 if TYPE_CHECKING:
     from projects.models import Result
@@ -274,6 +276,30 @@ def device_register(
         device.save()
     device.volunteer = volunteer  # the consumer reads it from async code: no lazy query there
     return device
+
+
+@dataclass(frozen=True)
+class Hello:
+    device: Device
+    preferences: Preferences
+
+
+def device_hello(
+    *, user: User, client_id: str | None, backend: str, gflops: float, user_agent: str, connection: str
+) -> Hello:
+    """A hello's database work in one call: the device registered, the blobs sent to its browser forgotten
+    (the page may be fresh), its preferences read. Three calls before, each a hop to a pool thread and a
+    pooled connection of its own, with 32 hellos in flight in a reconnect storm."""
+    device = device_register(
+        user=user,
+        client_id=client_id,
+        backend=backend,
+        gflops=gflops,
+        user_agent=user_agent,
+        connection=connection,
+    )
+    download_forget_sent(device_id=device.pk)
+    return Hello(device, preferences_effective(volunteer_id=device.volunteer_id, device_id=device.pk))
 
 
 def _device_key(*, volunteer: Volunteer, client_id: str | None, backend: str) -> str:

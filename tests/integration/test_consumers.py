@@ -22,9 +22,10 @@ from projects.lifecycle import results_release
 from projects.models import Project, WorkUnit
 from projects.tasks import feed_work_units
 from tests.integration.volunteer import honest_update
-from workers import consumers
+from workers import consumers, services
 from workers.models import Device, Volunteer
-from workers.services import device_register
+from workers.preferences import preferences_save
+from workers.services import device_register, volunteer_ensure
 
 pytestmark = pytest.mark.django_db(transaction=True)
 HELLO: dict[str, Any] = {"type": "hello", "protocol": 1, "device": {"backend": "webgl", "gflops": 12.5}}
@@ -87,6 +88,35 @@ def test_frames_and_events_do_not_queue_through_the_one_thread_for_synchronous_c
 
     async_to_sync(scenario)()
     assert hops == []
+
+
+def test_a_hello_is_one_trip_to_the_database_threads(
+    mlp_project: Project, volunteer_user: User, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """In a reconnect storm 32 hellos are in flight, each holding an admission slot until its welcome: the
+    device, the blobs its browser had and its preferences are one call (three before, each a pool thread
+    and a pooled connection of its own)."""
+    calls: list[str] = []
+    wrap = consumers.database_sync_to_async
+
+    def counted(func: Any) -> Any:
+        calls.append(func.__name__)
+        return wrap(func)
+
+    monkeypatch.setattr(consumers, "database_sync_to_async", counted)
+    volunteer = volunteer_ensure(user=volunteer_user)
+    preferences_save(volunteer=volunteer, device=None, values={"duty_cycle": 50}, chosen_projects=[])
+
+    async def scenario() -> None:
+        communicator = await connect(volunteer_user)
+        await communicator.connect()
+        welcome = await send(communicator, HELLO)
+        assert welcome["type"] == "welcome"
+        assert welcome["preferences"]["duty_cycle"] == 50 and welcome["preferences"]["source"] == "volunteer"
+        await communicator.disconnect()
+
+    async_to_sync(scenario)()
+    assert calls == ["device_hello"]
 
 
 def _announce_work() -> None:
@@ -211,7 +241,7 @@ def test_a_departure_noticed_after_the_same_devices_next_hello_leaves_it_connect
             proceed.wait(10)
         return device
 
-    monkeypatch.setattr(consumers, "device_register", register_then_wait)
+    monkeypatch.setattr(services, "device_register", register_then_wait)  # as device_hello calls it
 
     async def scenario() -> None:
         first = await connect(volunteer_user)

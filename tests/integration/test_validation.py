@@ -222,6 +222,73 @@ def test_a_spot_check_does_not_lock_the_project(
     assert judged(result).is_valid
 
 
+def _received(result: Result) -> None:
+    Result.objects.filter(pk=result.pk).update(
+        status=Result.Status.RECEIVED,
+        samples=result.work_unit.count,
+        loss=1.0,
+        blob=blob_put(data=honest_update(result.work_unit)),
+    )
+
+
+def _holding_work_unit(work_unit_id: int, held: threading.Event, release: threading.Event) -> None:
+    try:
+        with transaction.atomic():
+            WorkUnit.objects.select_for_update().get(pk=work_unit_id)
+            held.set()
+            release.wait(10)
+    finally:
+        connection.close()
+
+
+def test_a_result_whose_work_unit_another_transaction_holds_comes_back_later(
+    mlp_project: Project, volunteer_user: User, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Another validator's batch holding the work unit (deciding this result as its mate) kept this one's
+    process waiting for that commit: the task now comes back after BUSY_SECONDS, and the result is decided
+    when it does."""
+    result = assign(volunteer_user)
+    _received(result)
+    later: list[tuple[Any, ...]] = []
+    monkeypatch.setattr(tasks.validate_result, "apply_async", lambda *a, **kw: later.append((a, kw)))
+    held, release = threading.Event(), threading.Event()
+    holder = threading.Thread(target=_holding_work_unit, args=(result.work_unit_id, held, release))
+    holder.start()
+    try:
+        assert held.wait(10)
+        with pytest.raises(validation.Busy):
+            validation.results_validate(result_id=result.pk, wait=False)
+        assert tasks.validate_result(result.pk) == 0  # did not wait for the holder
+    finally:
+        release.set()
+        holder.join(10)
+    assert later == [(((result.pk,), {"busy": 1}), {"countdown": tasks.BUSY_SECONDS})]
+    assert Result.objects.get(pk=result.pk).validation == Result.Validation.PENDING
+    assert tasks.validate_result(result.pk, busy=1) == 1  # the holder is gone: decided
+    assert judged(result).is_valid
+
+
+def test_after_its_retries_a_busy_result_waits_for_the_lock(
+    mlp_project: Project, volunteer_user: User, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    result = assign(volunteer_user)
+    _received(result)
+    monkeypatch.setattr(
+        tasks.validate_result, "apply_async", mock.Mock(side_effect=AssertionError("requeued"))
+    )
+    held, release = threading.Event(), threading.Event()
+    holder = threading.Thread(target=_holding_work_unit, args=(result.work_unit_id, held, release))
+    holder.start()
+    assert held.wait(10)
+    threading.Timer(0.5, release.set).start()
+    try:
+        assert tasks.validate_result(result.pk, busy=tasks.BUSY_RETRIES) == 1  # waited, then decided
+    finally:
+        release.set()
+        holder.join(10)
+    assert judged(result).is_valid
+
+
 # --- spot checks decided when work is sent, references computed meanwhile ------------------------
 
 
