@@ -7,16 +7,13 @@ it outlived its socket?): 60 ms of the one event loop every second with 50,000 i
 page waited behind it. Here it visits only the connections that disconnected or whose application ended
 since (a set filled by daphne's own hooks), with daphne's own logic, and keeps those still pending.
 
-It also keeps the garbage collector's full collections from walking what lives long (config/heap.py), and
-formats autobahn's per-connection debug line only when it is written (LazyFormat)."""
+It also keeps the garbage collector's full collections from walking what lives long (config/heap.py)."""
 
 from __future__ import annotations
 
 import asyncio
-import pprint
 from typing import Any
 
-import autobahn.websocket.protocol
 from daphne.cli import CommandLineInterface
 from daphne.server import Server
 
@@ -33,7 +30,6 @@ class WatchingServer(Server):
 
     def run(self) -> None:
         self.heap.start()  # the application is loaded by now
-        autobahn.websocket.protocol.pformat = LazyFormat  # type: ignore[assignment]  # str() and format() alike
         super().run()
 
     def protocol_disconnected(self, protocol: Any) -> None:
@@ -76,21 +72,6 @@ def unlink(protocol: Any) -> None:
     channel = getattr(protocol, "channel", None)
     if channel is not None and protocol in getattr(channel, "requests", ()):
         channel.requests.remove(protocol)
-
-
-class LazyFormat:
-    """pprint.pformat(value), made when a log line formats it. autobahn pretty-prints every new
-    connection's settings for a debug line that is then dropped: 5.5% of daphne's CPU in a reconnect
-    storm (py-spy --gil)."""
-
-    def __init__(self, value: object) -> None:
-        self.value = value
-
-    def __format__(self, spec: str) -> str:
-        return format(pprint.pformat(self.value), spec)
-
-    def __str__(self) -> str:
-        return pprint.pformat(self.value)
 
 
 class WatchingCommandLineInterface(CommandLineInterface):

@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import gc
 import os
-import pprint
 import socket
 import subprocess
 import sys
@@ -140,31 +139,6 @@ def test_start_up_objects_are_frozen_out_of_the_collector(monkeypatch: pytest.Mo
     finally:
         gc.callbacks.remove(server.heap._collected)
         gc.unfreeze()
-
-
-def test_autobahns_settings_are_pretty_printed_only_when_logged(monkeypatch: pytest.MonkeyPatch) -> None:
-    import autobahn.websocket.protocol as protocol
-
-    monkeypatch.setattr("daphne.server.Server.run", lambda self: None)
-    monkeypatch.setattr(protocol, "pformat", protocol.pformat)  # put back after the test
-    server = WatchingServer(application=None, endpoints=["tcp:port=0"])
-    try:
-        server.run()
-    finally:
-        gc.callbacks.remove(server.heap._collected)
-        gc.unfreeze()
-    settings = [("autoPingInterval", 0, "WebSocketServerFactory"), ("openHandshakeTimeout", 5, "Factory")]
-    formatted: list[object] = []
-
-    def pformat(value: object) -> str:
-        formatted.append(value)
-        return "pretty"
-
-    monkeypatch.setattr(pprint, "pformat", pformat)
-    lazy = protocol.pformat(settings)  # what _connectionMade does for every connection
-    assert formatted == []
-    txaio_line = "\n{attrs}".format(attrs=lazy)  # noqa: UP032 - str.format, as txaio formats its log lines
-    assert txaio_line == "\npretty" and formatted == [settings]
 
 
 def test_a_reaped_connection_is_unlinked(monkeypatch: pytest.MonkeyPatch) -> None:
