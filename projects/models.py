@@ -348,12 +348,15 @@ class Project(models.Model):
 
     def unit_seconds(self, *, round_age: float) -> float:
         """How long a work unit sent `round_age` seconds into its round should take: target_seconds, except in
-        a crowd-sized averaging round while its target_seconds run, where a unit ends with them (at least a
-        quarter of them from now), so that devices that started late or came back for more finish with the
-        others rather than hold the round. Not when rounds overlap: a unit then counts in whichever round is
-        open when it ends."""
+        a crowd-sized averaging round, where a unit ends with the round's target_seconds (at least a quarter
+        of them from now), so that devices that started late or came back for more finish with the others
+        rather than hold the round. That quarter is also what a unit sent after them takes: the round is late
+        (its devices that started late computed less than it planned), and whole target_seconds units of what
+        was left kept 32 devices waiting a second target_seconds for a few (scaling-heterogeneous: its first
+        round closed 70-80 s after it opened, most devices idle from 43 s). Not when rounds overlap: a unit
+        then counts in whichever round is open when it ends."""
         ends_with_round = self.crowd_rounds and self.mode == self.Mode.AVERAGING and not self.overlap_rounds
-        if not ends_with_round or round_age >= self.target_seconds:
+        if not ends_with_round:
             return float(self.target_seconds)
         return max(self.target_seconds / 4, self.target_seconds - round_age)
 

@@ -138,6 +138,7 @@ class Options:
     redis_db: int = REDIS_DB
     heterogeneous: bool = False  # speeds spread 10x with churn (fleet.py), into their own results file
     churn_per_hour: float = CHURN_PER_HOUR
+    device_nice: int = 19  # Emulation.device_nice
 
     @property
     def name(self) -> str:

@@ -216,7 +216,9 @@ def result(
             "bandwidth_mbit": BANDWIDTH_MBIT,
             "latency_ms": LATENCY_MS,
             "calibration": emulation.calibration,
-            "note": "each volunteer computes for real (threads in one process) and answers no sooner "
+            "device_nice": emulation.device_nice,
+            "note": "each volunteer computes for real (threads in one process, at the CPU priority "
+            "device_nice) and answers no sooner "
             "than samples x flops_per_sample / gflops; dataset shards are pre-cached (immutable "
             "blobs, 28 MB once per volunteer) and not counted; bytes = all WebSocket frames + "
             "weights/graph downloads",

@@ -46,6 +46,7 @@ fleet.py (the heterogeneous fleet: speeds, churn, busy fractions).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import shutil
@@ -92,6 +93,13 @@ def parser() -> argparse.ArgumentParser:
         default=CHURN_PER_HOUR,
         help="with --heterogeneous: share of the fleet leaving (and replaced) per hour (default %(default)s)",
     )
+    p.add_argument(
+        "--device-nice",
+        type=int,
+        default=Options.device_nice,
+        help="CPU priority (nice) of the emulated volunteers' threads; 0 shares the CPU equally with the "
+        "server under test (default %(default)s, the lowest: emulation.device_pool)",
+    )
     return p
 
 
@@ -116,6 +124,7 @@ def options(args: argparse.Namespace) -> Options:
         redis_db=args.redis_db,
         heterogeneous=args.heterogeneous,
         churn_per_hour=args.churn_per_hour,
+        device_nice=args.device_nice,
     )
 
 
@@ -125,6 +134,7 @@ def emulate(opts: Options) -> Emulation:
     print(f"calibrating: real MLP throughput with {most} concurrent volunteers ...", flush=True)
     calib = calibrate(most, seconds=2.0 if opts.quick else 4.0)
     chosen = emulation(calib, opts.gflops, opts.timeout, opts.quick, most if opts.heterogeneous else 0)
+    chosen = dataclasses.replace(chosen, device_nice=opts.device_nice)
     need = sum(fleet.speeds(most, chosen.gflops)) if opts.heterogeneous else most * chosen.gflops
     print(
         f"  {calib}\n  emulating {'up to ' if opts.heterogeneous else ''}{chosen.gflops} GFLOP/s x {most} = "

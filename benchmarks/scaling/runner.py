@@ -8,7 +8,6 @@ shards and result outcomes with plain SQL. Creating and dropping the databases i
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import contextlib
 import json
 import os
@@ -44,7 +43,15 @@ from .config import (
     Options,
     round_columns,
 )
-from .emulation import CountingSimulator, Emulation, share_parsed_shards, totals, unit_timings, warm_up
+from .emulation import (
+    CountingSimulator,
+    Emulation,
+    device_pool,
+    share_parsed_shards,
+    totals,
+    unit_timings,
+    warm_up,
+)
 from .seed import CONFIGURED, OPENED
 
 WORKERS = ("worker", "validator")  # the Celery workers' logs
@@ -370,13 +377,13 @@ async def stop(sims: list[CountingSimulator], tasks: list[asyncio.Task[Any]]) ->
 
 
 async def drive(
-    race: Race, evaluator: Evaluator, control: ProjectControl, target: float, timeout: float
+    race: Race, evaluator: Evaluator, control: ProjectControl, target: float, emulation: Emulation
 ) -> None:
     arrivals = len(race.churn.departures) if race.churn else 0
-    pool = concurrent.futures.ThreadPoolExecutor(len(race.sims) + arrivals + 4)
+    pool = device_pool(len(race.sims) + arrivals + 4, nice=emulation.device_nice)
     asyncio.get_running_loop().set_default_executor(pool)
     await before_clock(race.sims, evaluator, control)
-    await run_to_target(race, evaluator, target, timeout)
+    await run_to_target(race, evaluator, target, emulation.timeout)
 
 
 # --- one run ---------------------------------------------------------------------------------------------
@@ -423,7 +430,7 @@ def measure(stack: ScalingStack, method: Method, run: Plan, emulation: Emulation
         if run.departures:
             race.churn = Churn(volunteers, run.departures, occupant=dict(enumerate(race.sims)))
         setup_s = time.monotonic() - t_setup
-        asyncio.run(drive(race, evaluator, control, target, emulation.timeout))
+        asyncio.run(drive(race, evaluator, control, target, emulation))
         outcomes = evaluator.outcomes("r.validation || '/' || r.status")
         reasons = evaluator.outcomes(
             "r.validation || '/' || r.status || ': ' || left(r.reason, 100)", "AND r.reason <> ''"

@@ -3,12 +3,16 @@ schedule that is deterministic and at the stated rate, and busy fractions as def
 
 from __future__ import annotations
 
+import os
 import statistics
+import threading
 
 import pytest
 
 from benchmarks.scaling import fleet
-from benchmarks.scaling.emulation import heterogeneous_top_gflops
+from benchmarks.scaling.config import Options
+from benchmarks.scaling.emulation import Emulation, device_pool, heterogeneous_top_gflops
+from benchmarks.scaling.run import parser
 from benchmarks.scaling.runner import baseline
 
 
@@ -95,3 +99,20 @@ def test_the_baseline_is_one_mean_volunteer_computing_the_aggregated_samples_bac
         "efficiency": 3.125,
     }
     assert baseline({**row, "reached": False}, 0.02, 4e5)["speedup"] is None
+
+
+def test_emulated_devices_compute_at_the_lowest_priority_by_default() -> None:
+    """The volunteers' threads yield the CPU to the server under test (emulation.device_pool); this thread,
+    which runs their protocol and the run, keeps its own. `--device-nice 0` measures without it."""
+    assert Emulation(gflops=1.0, timeout=1.0, calibration={}).device_nice == Options.device_nice == 19
+    assert parser().parse_args([]).device_nice == 19
+    assert parser().parse_args(["--device-nice", "0"]).device_nice == 0
+    own = _nice()
+    with device_pool(2, nice=19) as pool:
+        niceness = set(pool.map(lambda _: _nice(), range(8)))
+    assert niceness == {19} and own < 19
+    assert _nice() == own
+
+
+def _nice() -> int:
+    return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())

@@ -148,6 +148,18 @@ def test_overlapping_units_take_target_seconds_whenever_they_are_sent(mlp_projec
     assert project.unit_seconds(round_age=30) == 10  # ends with the round
     project.overlap_rounds = True
     assert project.rounds_overlap and project.unit_seconds(round_age=30) == 40
+    assert project.unit_seconds(round_age=45) == 40
+
+
+@pytest.mark.parametrize("round_age", [40, 45, 200])
+def test_a_late_crowd_round_sends_what_is_left_in_short_units(mlp_project: Project, round_age: int) -> None:
+    """Past its target_seconds a crowd round's units take a quarter of them, not whole target_seconds that
+    would hold every device of the round for a few; rounds that are not crowd-sized averaging keep them."""
+    project = fp32(mlp_project, mode="averaging", crowd_rounds=True, target_seconds=40)
+    assert project.unit_seconds(round_age=0) == 40
+    assert project.unit_seconds(round_age=round_age) == 10
+    project.crowd_rounds = False
+    assert project.unit_seconds(round_age=round_age) == 40
 
 
 def test_a_round_closes_at_its_timeout_and_drops_the_straggler(
