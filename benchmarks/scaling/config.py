@@ -25,6 +25,7 @@ GOAL_BYTES_4BIT = 1 / 400  # issue 15 item 6 (INTELLECT-1's reduction), for the 
 # volunteers, and the share of its wall time a device computes.
 GOAL_HETERO_SPEEDUP, GOAL_HETERO_AT, GOAL_BUSY = 48.0, 64, 0.95
 CHURN_PER_HOUR = 0.2
+DEVICE_NICE = 19  # the emulated volunteers' CPU priority: the lowest (emulation.device_pool)
 TARGET_SECONDS = 40  # the crowd method's work units take this long on each device
 
 
@@ -138,7 +139,7 @@ class Options:
     redis_db: int = REDIS_DB
     heterogeneous: bool = False  # speeds spread 10x with churn (fleet.py), into their own results file
     churn_per_hour: float = CHURN_PER_HOUR
-    device_nice: int = 19  # Emulation.device_nice
+    device_nice: int = DEVICE_NICE
 
     @property
     def name(self) -> str:

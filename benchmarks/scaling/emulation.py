@@ -29,7 +29,7 @@ from workers import simulator
 from workers.simulator import Simulator, SimulatorConfig, Unit
 
 from . import fleet
-from .config import LOCAL_MINIBATCH, SHARD_SAMPLES, TARGET_SECONDS, UNITS_PER_ROUND
+from .config import DEVICE_NICE, LOCAL_MINIBATCH, SHARD_SAMPLES, TARGET_SECONDS, UNITS_PER_ROUND
 
 Tensors = dict[str, torch.Tensor]
 
@@ -42,7 +42,7 @@ class Emulation:
     gflops: float  # per volunteer
     timeout: float  # seconds per run before giving up
     calibration: dict[str, float]
-    device_nice: int = 19  # the CPU priority of the volunteers' threads (device_pool)
+    device_nice: int = DEVICE_NICE  # the CPU priority of the volunteers' threads (device_pool)
 
 
 def emulated_gflops(capacity: float) -> float:
