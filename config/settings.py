@@ -175,8 +175,10 @@ REDIS_URL = os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0")
 SOCKET_HEARTBEAT_SECONDS = int(os.environ.get("CROWDTRAIN_SOCKET_HEARTBEAT_SECONDS", 30))
 SOCKET_STALE_SECONDS = 4 * SOCKET_HEARTBEAT_SECONDS
 # WebSocket connections a web process admits at once, from handshake to welcome (config/admission.py): more
-# are closed at once with 4503 (try again later) and come back after the browser's jittered back-off.
-SOCKET_ADMISSIONS = int(os.environ.get("CROWDTRAIN_SOCKET_ADMISSIONS", 32))
+# wait in line for up to SOCKET_ADMISSION_WAIT_SECONDS, then are closed with 4503 (try again later) and come
+# back after the browser's jittered back-off. The wait must stay well below daphne's handshake limit (30 s).
+SOCKET_ADMISSIONS = int(os.environ.get("CROWDTRAIN_SOCKET_ADMISSIONS", 256))
+SOCKET_ADMISSION_WAIT_SECONDS = float(os.environ.get("CROWDTRAIN_SOCKET_ADMISSION_WAIT_SECONDS", 20))
 CHANNEL_LAYERS = {
     "default": {
         "BACKEND": "config.channel_layer.BoundedRedisChannelLayer",

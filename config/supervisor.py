@@ -1,7 +1,10 @@
 """A tiny process supervisor for local development: redis, daphne, celery worker and beat in one terminal.
 
 Each child runs in its own process group, so Ctrl-C reaches only us; we then stop the children
-(SIGTERM, wait, SIGKILL), the services they use (redis) last. If a child dies on its own, all are stopped.
+(SIGTERM, wait, SIGKILL), the services they use (redis) last. A child that dies on its own is started
+again after a back-off, as docker compose's `restart: unless-stopped` does: a Celery worker can die of a
+Redis restart with a task in flight (kombu's restore of unacknowledged messages). One that keeps dying
+stops them all.
 """
 
 from __future__ import annotations
@@ -28,6 +31,50 @@ class Child:
     name: str
     argv: list[str]
     proc: subprocess.Popen[bytes] | None = field(default=None, repr=False)
+    env: dict[str, str] = field(default_factory=dict, repr=False)  # what it was started with, to restart it
+    cwd: Path = field(default=Path("."), repr=False)
+
+
+@dataclass
+class Restarts:
+    """When to start a dead process again: after 1, 2, 4... seconds (at most `longest`), and never once it
+    has died `limit` times within `window` seconds (a crash loop: an import error, a bad setting)."""
+
+    limit: int = 5
+    window: float = 60.0
+    first: float = 1.0
+    longest: float = 30.0
+    deaths: dict[str, list[float]] = field(default_factory=dict)
+
+    def delay(self, name: str, now: float) -> float | None:
+        """Record a death of `name` at `now`: seconds to wait before starting it again, or None to give up."""
+        recent = [t for t in self.deaths.get(name, []) if now - t < self.window] + [now]
+        self.deaths[name] = recent
+        if len(recent) > self.limit:
+            return None
+        return float(min(self.first * 2 ** (len(recent) - 1), self.longest))
+
+
+@dataclass
+class Revivals:
+    """Dead processes, by name, waiting out their back-off: shared by `supervise` and the chaos stack."""
+
+    restarts: Restarts = field(default_factory=Restarts)
+    due: dict[str, float] = field(default_factory=dict)  # name -> when to start it again (inf: never)
+
+    def died(self, dead: set[str], now: float) -> dict[str, float | None]:
+        """Record the deaths among `dead` not yet known: each one's back-off, None for one given up on."""
+        delays = {name: self.restarts.delay(name, now) for name in sorted(dead - self.due.keys())}
+        for name, delay in delays.items():
+            self.due[name] = now + delay if delay is not None else float("inf")
+        return delays
+
+    def ready(self, dead: set[str], now: float) -> list[str]:
+        """The dead whose back-off is over, to start now; any started meanwhile by others is forgotten."""
+        over = [name for name, when in self.due.items() if when <= now or name not in dead]
+        for name in over:
+            del self.due[name]
+        return [name for name in over if name in dead]
 
 
 def use_colour(stream: TextIO) -> bool:
@@ -94,6 +141,7 @@ def pump(child: Child) -> None:
 
 
 def start(child: Child, env: dict[str, str], cwd: Path) -> None:
+    child.env, child.cwd = env, cwd
     child.proc = subprocess.Popen(
         child.argv, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True
     )
@@ -130,10 +178,6 @@ def alive(child: Child) -> bool:
     return child.proc is not None and child.proc.poll() is None
 
 
-def first_dead(children: list[Child]) -> Child | None:
-    return next((c for c in children if c.proc is not None and c.proc.poll() is not None), None)
-
-
 def install_stop_handlers() -> threading.Event:
     """SIGINT/SIGTERM only set an event: the main loop does the stopping."""
     stopping = threading.Event()
@@ -142,10 +186,25 @@ def install_stop_handlers() -> threading.Event:
     return stopping
 
 
-def supervise(children: list[Child], stopping: threading.Event) -> Child | None:
-    """Block until asked to stop (returns None) or until a child exits (returns it)."""
+def supervise(
+    children: list[Child], stopping: threading.Event, restarts: Restarts | None = None
+) -> Child | None:
+    """Block until asked to stop (returns None) or until a child dies once too often (returns it); a
+    child that dies before that is started again after its back-off."""
+    revivals = Revivals(restarts or Restarts())
+    by_name = {child.name: child for child in children}
     while not stopping.wait(0.2):
-        dead = first_dead(children)
-        if dead is not None:
-            return dead
+        dead = {child.name for child in children if not alive(child)}
+        for name, delay in revivals.died(dead, time.monotonic()).items():
+            if delay is None:
+                return by_name[name]
+            announce_death(by_name[name], delay)
+        for name in revivals.ready(dead, time.monotonic()):
+            signal_group(by_name[name], signal.SIGKILL)  # what the dead one left in its group, if anything
+            start(by_name[name], by_name[name].env, by_name[name].cwd)
     return None
+
+
+def announce_death(child: Child, delay: float) -> None:
+    code = child.proc.returncode if child.proc else None
+    emit("platform", f"{child.name} exited (exit code {code}); starting it again in {delay:.0f}s")

@@ -6,7 +6,8 @@ import asyncio
 import functools
 import io
 import json
-from collections.abc import Iterator
+import uuid
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +48,44 @@ def default_language() -> Iterator[None]:
     from django.utils import translation
 
     translation.deactivate()
+
+
+@pytest.fixture
+def fresh_limiter(settings: Any) -> None:
+    """Rate-limit counters of this test only (the Redis database outlives test runs), and a fast password
+    hasher: these tests hash many passwords, and the production one took 3-5 s a login on a loaded machine."""
+    settings.RATELIMIT_CACHE_PREFIX = f"rl-test-{uuid.uuid4().hex}:"
+    settings.PASSWORD_HASHERS = ["django.contrib.auth.hashers.MD5PasswordHasher"]
+
+
+@pytest.fixture(autouse=True)
+def window_passes(monkeypatch: pytest.MonkeyPatch) -> Callable[[], None]:
+    """django-ratelimit's clock stands still during a test: its windows are fixed (a minute from a boundary
+    the key shifts), so ten wrong logins on a loaded machine (3-5 s each with the production hasher) crossed
+    one and the eleventh was let in. Calling the fixture moves the clock on by one window."""
+    from django_ratelimit import core
+
+    original, passed = core._get_window, [0]
+    frozen: dict[tuple[Any, int], int] = {}
+
+    def window(value: str, period: int) -> int:
+        return int(frozen.setdefault((value, period), original(value, period))) + passed[0] * period
+
+    monkeypatch.setattr(core, "_get_window", window)
+    return lambda: passed.__setitem__(0, passed[0] + 1)
+
+
+@pytest.fixture(autouse=True)
+def fresh_channel_layer() -> Iterator[None]:
+    """channels keeps one layer per process, and channels_redis binds its receive lock to the event loop of
+    the receive() that made it: a test whose loop ended with a receive() in flight left the lock held on a
+    dead loop, and every later test of that process that received failed ("bound to a different event
+    loop"). Each test starts with a layer of its own."""
+    from channels.layers import channel_layers
+
+    channel_layers.backends.clear()
+    yield
+    channel_layers.backends.clear()
 
 
 @pytest.fixture(autouse=True)

@@ -14,9 +14,11 @@ After the storms it compares the live sockets with the devices shown connected, 
 server closed at once with 4503 (config/admission.py). With `--baseline FILE` (a run of other code, e.g. main
 in a temporary `git worktree` with this file copied in: `cd /tmp/main && <this venv>/bin/python -m
 benchmarks.server.sockets --label main --output /tmp/main.json`) the key figures go side by side.
-A probe GETs the home page every 100 ms throughout: p50/p99 per phase. Redis clients on the stack's database
-and daphne's file descriptors and memory are sampled at each step. Prints a table and writes
-benchmarks/results/server-sockets.json. The database is dropped and created anew (Stack).
+Two daphnes run: the volunteers connect to the first, and a probe GETs the home page from each every 100 ms
+throughout (p50/p99 per phase); the second, holding no socket, is nginx's page pool (platform/nginx.conf).
+Redis clients on the stack's database and daphne's file descriptors and memory are sampled at each step.
+Prints a table and writes benchmarks/results/server-sockets.json. The database is dropped and created anew
+(Stack).
 
 At scale (tens of thousands of sockets) the clients are not this process: one client process per
 `--per-client` volunteers (a Python event loop handles ~10-15k sockets). Each volunteer connects from a
@@ -249,7 +251,9 @@ class Bench:
     stack: Stack
     clients: list[tuple[multiprocessing.process.BaseProcess, Connection]]
     phase: str = "idle"
-    latencies: dict[str, list[float]] = field(default_factory=dict)
+    latencies: dict[str, list[float]] = field(default_factory=dict)  # pages of the daphne holding the sockets
+    # Pages of a second daphne that holds none (nginx's `/ws/` to one upstream, the rest to another).
+    page_latencies: dict[str, list[float]] = field(default_factory=dict)
     samples: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     async def command(self, *command: Any) -> list[Any]:
@@ -403,15 +407,15 @@ async def counted(bench: Bench) -> dict[str, int]:
     }
 
 
-async def probe(bench: Bench) -> None:
-    url = bench.stack.url + "/"
+async def probe(bench: Bench, url: str, latencies: dict[str, list[float]]) -> None:
+    """GET the home page at `url` every 100 ms: its latency, by the phase the run is in."""
     while True:
         started = time.perf_counter()
         try:
-            await asyncio.to_thread(lambda: urllib.request.urlopen(url, timeout=30).read())
-            bench.latencies.setdefault(bench.phase, []).append((time.perf_counter() - started) * 1000)
+            await asyncio.to_thread(lambda: urllib.request.urlopen(url + "/", timeout=30).read())
+            latencies.setdefault(bench.phase, []).append((time.perf_counter() - started) * 1000)
         except OSError:
-            bench.latencies.setdefault(f"{bench.phase} (failed)", []).append(0.0)
+            latencies.setdefault(f"{bench.phase} (failed)", []).append(0.0)
         await asyncio.sleep(0.1)
 
 
@@ -472,7 +476,11 @@ def percentiles(values: list[float]) -> dict[str, float | int]:
 
 
 async def scenario(bench: Bench, args: argparse.Namespace) -> dict[str, Any]:
-    prober = asyncio.create_task(probe(bench))
+    sockets_url, pages_url = bench.stack.urls
+    probers = [
+        asyncio.create_task(probe(bench, sockets_url, bench.latencies)),
+        asyncio.create_task(probe(bench, pages_url, bench.page_latencies)),
+    ]
     await asyncio.to_thread(sample, bench, "before")
     result: dict[str, Any] = {}
     bench.phase = "ramp"
@@ -495,8 +503,10 @@ async def scenario(bench: Bench, args: argparse.Namespace) -> dict[str, Any]:
     bench.phase = "after close"
     await asyncio.sleep(args.heartbeat * 6)  # stale (4 heartbeats) + a sweep
     await asyncio.to_thread(sample, bench, "after the sweep")
-    prober.cancel()
+    for prober in probers:
+        prober.cancel()
     result["pages"] = {phase: percentiles(values) for phase, values in bench.latencies.items()}
+    result["pages_other_process"] = {phase: percentiles(v) for phase, v in bench.page_latencies.items()}
     result["samples"] = bench.samples
     return result
 
@@ -508,7 +518,8 @@ def setup(args: argparse.Namespace, var_dir: Path) -> Stack:
         # The connect throttle counts reconnects per address in a minute: a storm's retries would hit it.
         "CROWDTRAIN_WS_CONNECTS_PER_MINUTE_IP": str(10 * (args.volunteers + 2 * args.storm)),
     }
-    stack = Stack(var_dir=var_dir, database=args.database, redis_db=args.redis_db, extra_env=extra)
+    # Two daphnes: the volunteers connect to the first; the second serves the probe's pages only.
+    stack = Stack(var_dir=var_dir, database=args.database, redis_db=args.redis_db, extra_env=extra, webs=2)
     return stack
 
 
@@ -544,11 +555,17 @@ def table(result: dict[str, Any]) -> str:
             f"  {label:<22}{row['devices_connected']:>14}{row['group_members']:>15}{row['redis_clients']:>15}"
             f"{row['daphne_fds']:>12}{row['daphne_rss_mb']:>9}"
         )
-    lines.append(f"  {'page /':<22}{'n':>6}{'p50 ms':>9}{'p99 ms':>9}{'max ms':>9}")
+    other = result.get("pages_other_process", {})
+    lines.append(
+        f"  {'page /':<22}{'the sockets daphne: n':>22}{'p50 ms':>9}{'p99 ms':>9}{'max ms':>9}"
+        f"{'another daphne: n':>19}{'p50 ms':>9}{'p99 ms':>9}{'max ms':>9}"
+    )
     for phase, p in result["pages"].items():
+        q = other.get(phase, {"n": 0})
         lines.append(
-            f"  {phase:<22}{p['n']:>6}{p.get('p50_ms', '-'):>9}{p.get('p99_ms', '-'):>9}"
-            f"{p.get('max_ms', '-'):>9}"
+            f"  {phase:<22}{p['n']:>22}{p.get('p50_ms', '-'):>9}{p.get('p99_ms', '-'):>9}"
+            f"{p.get('max_ms', '-'):>9}{q['n']:>19}{q.get('p50_ms', '-'):>9}{q.get('p99_ms', '-'):>9}"
+            f"{q.get('max_ms', '-'):>9}"
         )
     gc_ = result.get("gc_pauses")
     if gc_:

@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -26,11 +25,9 @@ PASSWORD = "alice-pass-123"
 
 
 @pytest.fixture(autouse=True)
-def fresh_limits(settings: Any) -> Iterator[None]:
-    """Counters of this test only: django-ratelimit's under a prefix of its own, allauth's (which has no
-    prefix setting) cleared from this run's Redis database. MD5: the tests hash many passwords."""
-    settings.RATELIMIT_CACHE_PREFIX = f"rl-test-{uuid.uuid4().hex}:"
-    settings.PASSWORD_HASHERS = ["django.contrib.auth.hashers.MD5PasswordHasher"]
+def fresh_limits(fresh_limiter: None) -> Iterator[None]:
+    """Counters of this test only: django-ratelimit's under a prefix of its own (fresh_limiter), allauth's
+    (which has no prefix setting) cleared from this run's Redis database."""
     cache.clear()
     yield
     cache.clear()

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import base64
-import uuid
 from typing import Any
 
 import pytest
@@ -11,12 +10,7 @@ from django.contrib.auth.models import User
 from knox.models import AuthToken
 from rest_framework.test import APIClient
 
-pytestmark = pytest.mark.django_db
-
-
-@pytest.fixture(autouse=True)
-def fresh_limiter(settings: Any) -> None:
-    settings.RATELIMIT_CACHE_PREFIX = f"rl-test-{uuid.uuid4().hex}:"
+pytestmark = [pytest.mark.django_db, pytest.mark.usefixtures("fresh_limiter")]
 
 
 def basic(username: str, password: str) -> dict[str, Any]:

@@ -12,6 +12,7 @@ import os
 import re
 import signal
 import subprocess
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,6 +21,7 @@ import psycopg
 from botocore.exceptions import ClientError
 
 from config import supervisor
+from config.supervisor import Revivals
 from devstack.s3 import S3Server
 from devstack.stack import PYTHON, ROOT, Stack, free_port
 
@@ -46,6 +48,13 @@ class ChaosStack(Stack):
     # Blob bytes in this S3 server's bucket instead of files under blob_root (projects/blob_store.py).
     s3: S3Server | None = None
     bucket: str = "crowdtrain-chaos"
+    # A process that dies on its own is started again, as docker compose's `restart: unless-stopped` and
+    # `make run` do (config/supervisor.py); one a test stops on purpose (`kill`) is held until it revives it.
+    revivals: Revivals = field(default_factory=Revivals)
+    held: set[str] = field(default_factory=set)
+    restarted: list[str] = field(default_factory=list)  # each restart after a death, by process name
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+    _stopping: threading.Event = field(default_factory=threading.Event)
 
     @property
     def redis_url(self) -> str:
@@ -91,6 +100,7 @@ class ChaosStack(Stack):
         return True
 
     def stop(self) -> None:
+        self._stopping.set()  # the watchdog must not start again what is being stopped
         # Faster than Stack.stop's 15 s grace per process: nothing here needs a clean shutdown.
         for process in self.processes.values():
             process.terminate()
@@ -120,6 +130,24 @@ class ChaosStack(Stack):
 
     # --- processes ----------------------------------------------------------------------------------
 
+    def spawn_processes(self) -> None:
+        super().spawn_processes()
+        threading.Thread(target=self._watch, daemon=True, name="chaos-watchdog").start()
+
+    def _watch(self) -> None:
+        """Start again, after the back-off, each process that died without a test stopping it."""
+        while not self._stopping.wait(0.5):
+            with self._lock:
+                dead = self._dead() - self.held
+                for name, delay in self.revivals.died(dead, time.monotonic()).items():
+                    logger.warning("%s died on its own; starting it again in %s s (None: never)", name, delay)
+                for name in self.revivals.ready(dead, time.monotonic()):
+                    self.restarted.append(name)
+                    self._start(name)
+
+    def _dead(self) -> set[str]:
+        return {name for name, process in self.processes.items() if process.poll() is not None}
+
     def _spawn(self, name: str, *args: str, nice: int = 0) -> None:
         # Remember how to start it again, and append: a restart must not wipe the log of the crash.
         self.argv[name] = (*(["nice", "-n", str(nice)] if nice else []), PYTHON, *args)
@@ -132,6 +160,9 @@ class ChaosStack(Stack):
         )
 
     def kill(self, name: str, sig: signal.Signals = signal.SIGKILL) -> None:
+        """Stop `name` on purpose: held (not started again by the watchdog) until `revive`."""
+        with self._lock:
+            self.held.add(name)
         process = self.processes[name]
         process.send_signal(sig)
         try:
@@ -151,7 +182,9 @@ class ChaosStack(Stack):
     def revive(self, name: str) -> None:
         """Start `name` (stopped by `kill`) again; returns once it serves again."""
         ready = self._times_ready(name) if name.startswith("worker") else 0
-        self._start(name)
+        with self._lock:
+            self.held.discard(name)
+            self._start(name)
         if name in self.web_ports:
             self._wait_for_http(urls=[f"http://127.0.0.1:{self.web_ports[name]}"])
         if name.startswith("worker"):
@@ -172,9 +205,11 @@ class ChaosStack(Stack):
         """Bring back anything an earlier (failed) test left dead, so tests stay independent."""
         if self.redis is None or self.redis.poll() is not None:
             self.start_redis()
-        for name, process in list(self.processes.items()):
-            if process.poll() is not None:
-                self._start(name)
+        with self._lock:
+            for name, process in list(self.processes.items()):
+                if process.poll() is not None:
+                    self.held.discard(name)
+                    self._start(name)
         self._wait_for_http()
 
     # --- the private redis-server --------------------------------------------------------------------

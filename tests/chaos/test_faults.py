@@ -104,6 +104,21 @@ def test_celery_worker_killed_mid_training(healthy: ChaosStack) -> None:
     check_books(healthy, crowd)
 
 
+def test_a_worker_that_dies_on_its_own_is_started_again(healthy: ChaosStack) -> None:
+    """As kombu's restore of unacknowledged messages can kill a worker when Redis restarts: nothing revives
+    it but the restart policy (the watchdog here, docker compose's and `make run`'s in deployments)."""
+    restarted_before = healthy.restarted.count("worker")
+    with crowd_of(healthy) as crowd:
+        for i in range(3):
+            crowd.join(f"worker-dies-{i}")
+        progress(healthy, BEFORE)
+        assert wait_for_validation_backlog(healthy)
+        healthy.processes["worker"].kill()  # not `healthy.kill`, which holds it for the test to revive
+        progress(healthy, AFTER)  # the worker alone steps the project: no progress without it
+    assert healthy.restarted.count("worker") == restarted_before + 1
+    check_books(healthy, crowd)
+
+
 def test_daphne_restarted(healthy: ChaosStack) -> None:
     with crowd_of(healthy) as crowd:
         for i in range(3):

@@ -1,8 +1,10 @@
 """config/admission.py through the real ASGI stack (session auth, Redis channel layer, PostgreSQL): past its
-bound, a connection is closed at once with 4503 and no work; a welcome or a departure frees a slot."""
+bound, a connection waits in line for a slot, and one that waited too long (or may not wait) is closed with
+4503 and no work; a welcome or a departure frees a slot for the first in line."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import subprocess
 import sys
@@ -31,10 +33,10 @@ pytestmark = pytest.mark.django_db(transaction=True)
 def gate() -> Iterator[AdmissionMiddleware]:
     middleware = application.application_mapping["websocket"]
     assert isinstance(middleware, AdmissionMiddleware)
-    limit = middleware.admission.limit
-    middleware.admission.limit = 2
+    limit, wait = middleware.admission.limit, middleware.wait
+    middleware.admission.limit, middleware.wait = 2, 0.0  # no waiting in line, unless a test says so
     yield middleware
-    middleware.admission.limit = limit
+    middleware.admission.limit, middleware.wait = limit, wait
 
 
 async def turned_away(communicator: WebsocketCommunicator) -> float:
@@ -100,7 +102,12 @@ def test_daphne_sends_the_retry_later_close_code_to_a_browser() -> None:
         *daphne_listen("127.0.0.1", port),
         "config.asgi:application",
     ]
-    env = {**os.environ, "DJANGO_SETTINGS_MODULE": "config.settings", "CROWDTRAIN_SOCKET_ADMISSIONS": "0"}
+    env = {
+        **os.environ,
+        "DJANGO_SETTINGS_MODULE": "config.settings",
+        "CROWDTRAIN_SOCKET_ADMISSIONS": "0",
+        "CROWDTRAIN_SOCKET_ADMISSION_WAIT_SECONDS": "0",
+    }
     daphne = subprocess.Popen(args, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         listen_backlog(port)
@@ -128,3 +135,105 @@ def test_one_address_holds_at_most_its_share_of_the_slots() -> None:
     assert gate.ticket("203.0.113.9") is not None
     assert gate.ticket("203.0.113.9") is None
     assert gate.admitting == admission.PER_ADDRESS + 1
+
+
+def test_past_the_bound_a_connection_waits_in_line_and_gets_the_next_free_slot(
+    gate: AdmissionMiddleware, volunteer_user: User
+) -> None:
+    gate.wait = 10.0
+
+    async def scenario() -> None:
+        first, second = await connect(volunteer_user), await connect(volunteer_user)
+        assert (await first.connect())[0] and (await second.connect())[0]
+        third = await connect(volunteer_user)
+        handshake = asyncio.ensure_future(third.connect(timeout=10))
+        await asyncio.sleep(0.3)
+        assert not handshake.done() and len(gate.admission.waiting) == 1  # in line, not turned away
+        assert (await send(first, HELLO))["type"] == "welcome"  # frees a slot: the third gets it
+        assert (await handshake)[0]
+        assert gate.admission.admitting == 2 and not gate.admission.waiting
+        assert (await send(third, HELLO))["type"] == "welcome"
+        for communicator in (first, second, third):
+            await communicator.disconnect(timeout=10)
+        assert gate.admission.admitting == 0 and not gate.admission.by_address
+
+    async_to_sync(scenario)()
+
+
+def test_a_connection_that_waited_too_long_gets_4503(gate: AdmissionMiddleware, volunteer_user: User) -> None:
+    gate.wait = 0.3
+
+    async def scenario() -> None:
+        held = [await connect(volunteer_user) for _ in range(2)]
+        for communicator in held:
+            assert (await communicator.connect())[0]
+        waited = await turned_away(await connect(volunteer_user))
+        assert 0.3 <= waited < 2.0
+        assert gate.admission.admitting == 2 and not any(not s.done() for s in gate.admission.waiting)
+        for communicator in held:
+            await communicator.disconnect(timeout=10)
+
+    async_to_sync(scenario)()
+
+
+async def a_line(*addresses: str) -> tuple[admission.Admission, admission.Ticket, list[Any]]:
+    """A gate of one slot, held, and a connection from each address waiting in line for it."""
+    gate = admission.Admission(limit=1)
+    first = gate.ticket("192.0.2.1")
+    assert first is not None
+    waiting = [asyncio.ensure_future(gate.wait_ticket(address, wait=5)) for address in addresses]
+    await asyncio.sleep(0.05)
+    return gate, first, waiting
+
+
+def test_the_line_is_first_come_first_served_and_loses_no_slot() -> None:
+    async def scenario() -> None:
+        gate, first, (second, gone, third) = await a_line("192.0.2.2", "192.0.2.3", "192.0.2.4")
+        assert gate.ticket("192.0.2.5") is None  # no jumping the line
+        gone.cancel()  # a connection that went away while waiting
+        first.done()
+        ticket = await second
+        assert ticket is not None and ticket.address == "192.0.2.2" and not third.done()
+        ticket.done()
+        last = await third
+        assert last is not None and gate.admitting == 1
+        last.done()
+        assert gate.admitting == 0 and not gate.waiting and not gate.by_address
+
+    asyncio.run(scenario())
+
+
+def test_a_slot_handed_to_a_connection_that_just_went_away_goes_to_the_next() -> None:
+    async def scenario() -> None:
+        gate, first, (leaving, next_) = await a_line("192.0.2.2", "192.0.2.3")
+        first.done()  # hands the slot to `leaving`...
+        leaving.cancel()  # ...which is cancelled before it runs again
+        try:
+            kept = await leaving
+        except asyncio.CancelledError:
+            kept = None  # it gave the slot back
+        if kept is not None:  # Python 3.11's wait_for returns what it was handed rather than raising
+            kept.done()  # as AdmissionMiddleware's `finally` does
+        ticket = await next_
+        assert ticket is not None and gate.admitting == 1
+        ticket.done()
+        assert gate.admitting == 0 and not gate.by_address
+
+    asyncio.run(scenario())
+
+
+def test_past_the_line_limit_a_connection_is_turned_away_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A flood of connections from many addresses fills the line, not the process's memory."""
+    monkeypatch.setattr(admission, "QUEUE_LIMIT", 1)
+
+    async def scenario() -> None:
+        gate, first, (waiting,) = await a_line("192.0.2.2")
+        started = time.monotonic()
+        assert await gate.wait_ticket("192.0.2.3", wait=5) is None
+        assert time.monotonic() - started < 1.0 and not gate.by_address.get("192.0.2.3")
+        first.done()
+        ticket = await waiting
+        assert ticket is not None
+        ticket.done()
+
+    asyncio.run(scenario())

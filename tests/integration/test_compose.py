@@ -17,7 +17,7 @@ COMPOSE = ROOT / "docker-compose.yml"
 NGINX = ROOT / "platform" / "nginx.conf"
 ENTRYPOINT = ROOT / "platform" / "entrypoint.sh"
 ENV_EXAMPLE = ROOT / "platform" / "env.example"
-SCALED = ("web", "worker", "validator")
+SCALED = ("web", "sockets", "worker", "validator")
 SINGLETONS = ("db", "redis", "release", "baseline", "beat", "nginx")
 
 
@@ -44,21 +44,33 @@ def test_nginx_is_the_only_entry_point(services: dict[str, dict[str, Any]]) -> N
     published = {name for name, service in services.items() if service.get("ports")}
     assert published == {"nginx"}
     assert "profiles" not in services["nginx"]  # started by a plain `docker compose up`
-    assert services["nginx"]["depends_on"]["web"]["condition"] == "service_healthy"
+    for name in ("web", "sockets"):
+        assert services["nginx"]["depends_on"][name]["condition"] == "service_healthy"
 
 
-def test_nginx_balances_every_web_replica(services: dict[str, dict[str, Any]]) -> None:
+@pytest.mark.parametrize("pool", ["web", "sockets"])
+def test_nginx_balances_every_replica(services: dict[str, dict[str, Any]], pool: str) -> None:
     conf = NGINX.read_text()
-    upstream = re.search(r"upstream crowdtrain_web \{(.*?)\}", conf, re.S)
+    upstream = re.search(rf"upstream crowdtrain_{pool} \{{(.*?)\}}", conf, re.S)
     assert upstream is not None
     # `resolve` keeps the replicas' addresses current from Docker's DNS; it needs a zone and a resolver.
-    assert re.search(r"^\s*server web:8000 resolve;", upstream[1], re.M)
-    assert re.search(r"^\s*zone crowdtrain_web \d+k;", upstream[1], re.M)
+    assert re.search(rf"^\s*server {pool}:8000 resolve;", upstream[1], re.M)
+    assert re.search(rf"^\s*zone crowdtrain_{pool} \d+k;", upstream[1], re.M)
     assert re.search(r"^\s*least_conn;", upstream[1], re.M)
     assert re.search(r"^resolver 127\.0\.0\.11\b", conf, re.M)
     version = tuple(int(part) for part in services["nginx"]["image"].split(":")[1].split("."))
     assert version >= (1, 27, 3), "upstream `resolve` is in open-source nginx 1.27.3+"
     assert "proxy_pass http://crowdtrain_web;" in conf
+
+
+def test_websockets_go_to_the_sockets_pool_and_nothing_else_does(services: dict[str, dict[str, Any]]) -> None:
+    """A storm of reconnects keeps a daphne's loop busy for seconds: pages must not queue behind it."""
+    locations = dict(re.findall(r"location ([^{]+?) \{\s*proxy_pass http://(\w+);", NGINX.read_text()))
+    assert locations.pop("/ws/") == "crowdtrain_sockets"
+    assert set(locations.values()) == {"crowdtrain_web"}, locations
+    # The same process as web, started the same way (its command, limits and health check).
+    for key in ("command", "ulimits", "healthcheck", "environment", "depends_on"):
+        assert services["sockets"][key] == services["web"][key], key
 
 
 def test_migrations_run_once_before_the_replicas(services: dict[str, dict[str, Any]]) -> None:

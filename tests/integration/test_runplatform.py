@@ -1,4 +1,5 @@
-"""`manage.py runplatform` really runs redis, daphne, the celery workers and beat, and stops them all."""
+"""`manage.py runplatform` really runs redis, daphne, the celery workers and beat, starts again one that
+dies, and stops them all."""
 
 from __future__ import annotations
 
@@ -74,6 +75,15 @@ def http_ok(url: str) -> bool:
         return False
 
 
+def celery_worker(pids: set[int]) -> int:
+    """The pid of the worker on both queues (not the validator's, nor the baseline's)."""
+    for pid in pids:
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        if b"celery,validation" in argv:
+            return pid
+    raise AssertionError(f"no celery worker among {pids}")
+
+
 def test_runplatform_starts_everything_and_stops_cleanly_on_ctrl_c(tmp_path: Path) -> None:
     port = free_port()
     env = {key: value for key, value in os.environ.items() if key not in SCRUBBED}
@@ -103,6 +113,15 @@ def test_runplatform_starts_everything_and_stops_cleanly_on_ctrl_c(tmp_path: Pat
         assert len(children) >= 5, f"expected redis, web, worker, validator and beat; found pids {children}"
         for name in ("[redis]", "[web]", "[worker]", "[validator]", "[beat]"):
             assert any(line.startswith(name) for line in output), f"no {name} lines"
+
+        # A worker that dies (kombu can kill one on a Redis restart) is started again; the rest stay up.
+        os.kill(celery_worker(children), signal.SIGKILL)
+        died = lambda: said("[platform]", "worker exited (exit code -9)")  # noqa: E731
+        wait_until(died, 30, "the death noticed", output)
+        times_ready = lambda: sum("[worker]" in line and "ready." in line for line in output)  # noqa: E731
+        wait_until(lambda: times_ready() == 2, 120, "the worker started again", output)
+        assert http_ok(f"http://127.0.0.1:{port}/")
+        children = descendants(proc.pid)
 
         proc.send_signal(signal.SIGINT)
         assert proc.wait(timeout=90) == 0, "".join(output[-60:])

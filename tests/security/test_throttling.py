@@ -10,8 +10,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import uuid
-from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -19,34 +17,12 @@ import redis
 from django.conf import settings as django_settings
 from django.contrib.auth.models import User
 from django.test import Client, RequestFactory
-from django_ratelimit import core
 
 from frontend.throttle import client_ip
 
-pytestmark = pytest.mark.django_db
+pytestmark = [pytest.mark.django_db, pytest.mark.usefixtures("fresh_limiter")]
 WRONG = "not-the-password"
 REFUSED = "Too many failed log-ins"
-
-
-@pytest.fixture(autouse=True)
-def fresh_limiter(settings: Any) -> None:
-    """Counters of this test only (the Redis database outlives test runs), and a fast password hasher."""
-    settings.RATELIMIT_CACHE_PREFIX = f"rl-test-{uuid.uuid4().hex}:"
-    settings.PASSWORD_HASHERS = ["django.contrib.auth.hashers.MD5PasswordHasher"]
-
-
-@pytest.fixture(autouse=True)
-def window_passes(monkeypatch: pytest.MonkeyPatch) -> Callable[[], None]:
-    """The limiter's clock stands still during a test (a minute boundary passing mid-test, as on a loaded
-    machine, would reset the counts); calling the fixture moves it on by one window."""
-    original, passed = core._get_window, [0]
-    frozen: dict[tuple[Any, int], int] = {}
-
-    def window(value: str, period: int) -> int:
-        return int(frozen.setdefault((value, period), original(value, period))) + passed[0] * period
-
-    monkeypatch.setattr(core, "_get_window", window)
-    return lambda: passed.__setitem__(0, passed[0] + 1)
 
 
 def log_in(
@@ -59,7 +35,7 @@ def log_in(
 def test_the_limiter_counts_in_the_real_redis_cache(client: Client, volunteer_user: User) -> None:
     assert django_settings.CACHES["default"]["BACKEND"] == "django.core.cache.backends.redis.RedisCache"
     log_in(client, "alice", WRONG)
-    prefix = django_settings.RATELIMIT_CACHE_PREFIX  # type: ignore[misc]  # set by the fixture above
+    prefix = django_settings.RATELIMIT_CACHE_PREFIX  # type: ignore[misc]  # set by fresh_limiter (tests/conftest.py)
     keys = redis.Redis.from_url(django_settings.REDIS_URL).keys(f"*{prefix}*")
     assert len(keys) == 2  # one counter for the address, one for the account
 

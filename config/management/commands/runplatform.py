@@ -43,7 +43,8 @@ def worker_args() -> list[str]:
     """A Celery worker on both queues, one task at a time. Validations run side by side with a thread or
     prefork pool, but with either, a Redis restart with tasks in flight crashed the worker (kombu's
     restore of unacknowledged messages after the connection loss) in the chaos test; the solo pool
-    survives it. Scale out with more worker processes instead (validator_args)."""
+    survives it most of the time, and the supervisor starts it again when it does not. Scale out with
+    more worker processes instead (validator_args)."""
     return ["worker", "-Q", "celery,validation", "--pool", "solo"]
 
 
@@ -94,6 +95,7 @@ class Command(BaseCommand):
         services: list[Child] = []  # stopped last: the apps need them to shut down cleanly
         apps: list[Child] = []
         dead: Child | None = None
+        restarts = supervisor.Restarts()
         try:
             if "REDIS_URL" not in os.environ:
                 env["REDIS_URL"] = self.start_redis(services, env)
@@ -101,14 +103,17 @@ class Command(BaseCommand):
                 supervisor.start(child, env, settings.BASE_DIR)
                 apps.append(child)
             self.announce_when_listening(apps[0], host, port)
-            dead = supervisor.supervise(services + apps, stopping)
+            dead = supervisor.supervise(services + apps, stopping, restarts)
         finally:
             emit("platform", "stopping...")
             supervisor.stop(apps)
             supervisor.stop(services)
         if dead is not None:
             code = dead.proc.returncode if dead.proc else None
-            raise CommandError(f"{dead.name} exited unexpectedly (exit code {code}); stopped the others.")
+            raise CommandError(
+                f"{dead.name} kept exiting ({restarts.limit + 1} times within {restarts.window:.0f}s, "
+                f"last exit code {code}); stopped the others."
+            )
         emit("platform", "stopped.")
 
     def start_redis(self, children: list[Child], env: dict[str, str]) -> str:
