@@ -265,3 +265,33 @@ class Stack:
 
     def log(self, name: str) -> str:
         return (self.var_dir / f"{name}.log").read_text(errors="replace")
+
+    def results_summary(self) -> str:
+        """Every project's results by volunteer, status and verdict (a failing end-to-end test prints it: who
+        was sent what, what came back, how long it took and why anything was refused)."""
+        with psycopg.connect(self.database_url) as conn:
+            rows = conn.execute(RESULTS_SUMMARY).fetchall()
+        header = (
+            "project | volunteer | status | validation | reason | results | samples | compute s | turnaround"
+        )
+        return "\n".join([header, *(" | ".join(str(value) for value in row) for row in rows)])
+
+    def failure_report(self, console: list[str]) -> str:
+        """What a failing training test prints: the results, the volunteer browser's last console lines (its
+        Web Worker's too) and the validator's log."""
+        return "\n".join(
+            ["results:", self.results_summary(), "browser console:", *console[-40:], "validator log:"]
+            + [self.log("validator")[-2000:]]
+        )
+
+
+RESULTS_SUMMARY = """
+SELECT p.name, u.username, r.status, r.validation, left(r.reason, 60), count(*), sum(r.samples),
+       round(avg(r.compute_ms) / 1000.0, 1),
+       round(avg(extract(epoch FROM r.received_at - r.sent_at))::numeric, 1)
+FROM projects_result r
+JOIN projects_workunit w ON w.id = r.work_unit_id
+JOIN projects_project p ON p.id = w.project_id
+JOIN auth_user u ON u.id = r.volunteer_id
+GROUP BY 1, 2, 3, 4, 5 ORDER BY 1, 2, 3, 4, 5
+"""

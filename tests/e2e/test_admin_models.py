@@ -322,6 +322,8 @@ def test_conv_text_and_regression_models_from_the_admin_train_in_a_browser(
         Goal(REGRESSION, "test_loss", 0.1 * target_variance),
     ]
     volunteer = browser.new_context().new_page()
+    console: list[str] = []  # the page's and its Web Worker's, for the failure message
+    volunteer.on("console", lambda message: console.append(f"{message.type}: {message.text}"))
     sign_up(volunteer, stack, "shapes-volunteer")
     volunteer.goto(stack.url + "/contribute/")
     volunteer.click("#contribute")
@@ -330,6 +332,4 @@ def test_conv_text_and_regression_models_from_the_admin_train_in_a_browser(
     print(results, flush=True)
     for goal in goals:
         best, seconds = results[goal.project]
-        assert goal.met(best), (
-            f"{goal}: best {best} after {seconds:.0f}s; worker log:\n{stack.log('worker')[-3000:]}"
-        )
+        assert goal.met(best), f"{goal}: best {best} after {seconds:.0f}s\n{stack.failure_report(console)}"

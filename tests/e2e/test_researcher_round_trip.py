@@ -38,6 +38,12 @@ TRAINING_SECONDS = 900
 # Offline in plain PyTorch (3 workers of 512 samples), local momentum 0.5 reaches 0.9 test accuracy by round
 # 2-3 in 12 seeds of 12; momentum 0.9 by round 3-6, and not within 6 rounds in 2 seeds of 20. sync_sgd here
 # needed 26 server steps (6 minutes) to reach 0.77.
+# Each round is three whole units of 512 on any machine, so its versions are the same on a fast or a loaded
+# one: units are sized to the device's measured speed (at most batch_size) and a round closes at round_timeout
+# with what it has. With 5 s units and a 30 s timeout a loaded CI machine's best was 0.852 after 900 s, while
+# here (unloaded, and beside 6 CPU-bound processes) version 4 was 0.923 and 0.922: the browser took two of
+# the three units and the first round closed on the timeout with one. The timeout matters only if a unit is
+# lost or a device is very slow.
 SETTINGS = {
     "mode": "averaging",
     "learning_rate": "1.0",
@@ -47,8 +53,8 @@ SETTINGS = {
     "local_batch_size": "32",
     "batch_size": "512",
     "round_samples": "1536",
-    "round_timeout": "30",
-    "target_seconds": "5",
+    "round_timeout": "120",
+    "target_seconds": "60",
     "target_metric": "test_accuracy",
     "target_value": str(TARGET_ACCURACY),
 }
@@ -283,6 +289,8 @@ def test_push_train_pull_and_evaluate_in_plain_pytorch(researcher: Researcher, s
     assert PROJECT in researcher.ok("crowdtrain", "status")
 
     page = browser.new_page()
+    console: list[str] = []  # the page's and its Web Worker's, for the failure message
+    page.on("console", lambda message: console.append(f"{message.type}: {message.text}"))
     sign_up(page, stack, "browser-volunteer")
     page.goto(stack.url + "/contribute/")
     page.click("#contribute")
@@ -301,7 +309,7 @@ def test_push_train_pull_and_evaluate_in_plain_pytorch(researcher: Researcher, s
         page.click("#stop")
     page.close()
     assert watch.returncode == 0, (
-        f"target not reached:\n{watch.stdout[-2500:]}\n{stack.log('worker')[-3000:]}"
+        f"target not reached:\n{watch.stdout[-2500:]}\n{stack.failure_report(console)}"
     )
     assert f"target test_accuracy >= {TARGET_ACCURACY}: reached" in watch.stdout
     assert valid_results(stack, "browser-volunteer") > 0, "the browser volunteer contributed nothing valid"
