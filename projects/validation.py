@@ -46,7 +46,8 @@ import kombu.exceptions
 import redis.exceptions
 import torch
 from django.db import InterfaceError, OperationalError, transaction
-from django.db.models import F, QuerySet
+from django.db.models import F, Q, QuerySet
+from django.utils import timezone
 
 from engine import codecs
 from engine.aggregate import check_update
@@ -444,13 +445,17 @@ def _params(result: Result, work_unit: WorkUnit) -> Tensors:
 
 
 def _replayed(result: Result) -> bool:
-    """The same bytes for another slice or version. Two honest volunteers given the same slice of the same
-    version (a round bigger than the dataset wraps around) legitimately send identical bytes."""
+    """The same bytes received before, for another slice or version. Two honest volunteers given the same
+    slice of the same version (a round bigger than the dataset wraps around) legitimately send identical
+    bytes. Only earlier ones count: a batch judging the first after its copies had arrived found it a replay
+    of them, and refused the honest work with the replays (test_simulator's stale_replay: 3 invalid of 3)."""
     unit = result.work_unit
     if not result.digest:
         return False
+    received = result.received_at or timezone.now()
+    earlier = Q(received_at__lt=received) | Q(received_at=received, pk__lt=result.pk)
     # By digest, not blob: a decided work unit's updates are deleted (storage.py), their digests stay.
-    same = Result.objects.filter(digest=result.digest, work_unit__project=unit.project).exclude(pk=result.pk)
+    same = Result.objects.filter(earlier, digest=result.digest, work_unit__project=unit.project)
     return same.exclude(
         work_unit__version=unit.version,
         work_unit__shard=unit.shard,

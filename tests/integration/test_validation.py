@@ -81,6 +81,22 @@ def test_replayed_updates_are_invalid(mlp_project: Project, volunteer_user: User
     assert outcome.status == "invalid" and "replay" in outcome.reason
 
 
+def test_the_first_of_identical_updates_is_no_replay_when_judged_after_its_copies(
+    mlp_project: Project, volunteer_user: User
+) -> None:
+    """A batch judged the first result after its copies had arrived and found it a replay of them: the honest
+    work was refused with the replays (test_simulator's stale_replay: 3 invalid of 3 on a loaded machine)."""
+    first = assign(volunteer_user)
+    payload = honest_update(first.work_unit)
+    with mock.patch("projects.notify.result_received"):  # the validator is away: both wait, unjudged
+        assert receive(volunteer_user, first, payload).status == "pending"
+        second = assign(volunteer_user)
+        assert receive(volunteer_user, second, payload).status == "pending"
+    assert tasks.validate_result(first.pk) == 2
+    assert judged(first).is_valid, judged(first).reason
+    assert judged(second).validation == "invalid" and "replay" in judged(second).reason
+
+
 def test_trusted_volunteers_skip_spot_checks_but_not_the_norm_check(
     mlp_project: Project, volunteer_user: User
 ) -> None:
