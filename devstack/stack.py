@@ -116,6 +116,9 @@ class Stack:
     # the channel layer in Redis joins them) and N Celery workers on both queues.
     webs: int = 1
     workers: int = 1
+    # Each daphne's niceness, by index (those past the end: 0). Negative values need root; `nice` then warns
+    # and starts the process at 0 (the sockets benchmark reads and reports what each got).
+    web_nice: tuple[int, ...] = ()
     web_ports: dict[str, int] = field(default_factory=dict)
     setup_code: str = ""  # Python run by `manage.py shell` once the demo is seeded, before any process starts
     root: Path = ROOT  # the checkout whose code the processes run (benchmarks compare two trees)
@@ -205,7 +208,8 @@ class Stack:
             name = replica("web", index)
             port = self.web_ports.setdefault(name, self.port if index == 0 else free_port())
             listen = daphne_listen("127.0.0.1", port)
-            self._spawn(name, "-m", WEB_SERVER, *listen, *DAPHNE_LIMITS, ASGI_APP)
+            nice = self.web_niceness(index)
+            self._spawn(name, "-m", WEB_SERVER, *listen, *DAPHNE_LIMITS, ASGI_APP, nice=nice)
         for index in range(self.workers):
             name = replica("worker", index)
             # Celery's node names must differ, or the workers' control commands (and logs) mix them up.
@@ -228,6 +232,9 @@ class Stack:
             str(self.var_dir / "beat-schedule"),
         )
         self._wait_for_http(self.startup_timeout)
+
+    def web_niceness(self, index: int) -> int:
+        return self.web_nice[index] if index < len(self.web_nice) else 0
 
     def _spawn(self, name: str, *args: str, nice: int = 0) -> None:
         log = (self.var_dir / f"{name}.log").open("wb")

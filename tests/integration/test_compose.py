@@ -19,6 +19,7 @@ ENTRYPOINT = ROOT / "platform" / "entrypoint.sh"
 ENV_EXAMPLE = ROOT / "platform" / "env.example"
 SCALED = ("web", "sockets", "worker", "validator")
 SINGLETONS = ("db", "redis", "release", "baseline", "beat", "nginx")
+DEFAULT_CPU_SHARES = 1024  # Docker's, for a service that sets none
 
 
 @pytest.fixture(scope="module")
@@ -71,6 +72,15 @@ def test_websockets_go_to_the_sockets_pool_and_nothing_else_does(services: dict[
     # The same process as web, started the same way (its command, limits and health check).
     for key in ("command", "ulimits", "healthcheck", "environment", "depends_on"):
         assert services["sockets"][key] == services["web"][key], key
+
+
+def test_pages_first_and_the_baseline_last_on_a_busy_machine(services: dict[str, dict[str, Any]]) -> None:
+    """Each container is a CPU cgroup weighed by its cpu_shares (default 1024): a `nice` inside one orders its
+    own processes only. The page pool outweighs every other container, the baseline weighs least."""
+    shares = {name: service.get("cpu_shares", DEFAULT_CPU_SHARES) for name, service in services.items()}
+    assert shares.pop("web") == 4 * DEFAULT_CPU_SHARES
+    assert shares.pop("baseline") == 2  # Docker's least
+    assert set(shares.values()) == {DEFAULT_CPU_SHARES}, shares  # sockets too: not web's, which it merges
 
 
 def test_migrations_run_once_before_the_replicas(services: dict[str, dict[str, Any]]) -> None:
