@@ -533,15 +533,11 @@ def setup(args: argparse.Namespace, var_dir: Path) -> Stack:
         # The connect throttle counts reconnects per address in a minute: a storm's retries would hit it.
         "CROWDTRAIN_WS_CONNECTS_PER_MINUTE_IP": str(10 * (args.volunteers + 2 * args.storm)),
     }
-    # Two daphnes: the volunteers connect to the first; the second serves the probe's pages only.
-    return Stack(
-        var_dir=var_dir,
-        database=args.database,
-        redis_db=args.redis_db,
-        extra_env=extra,
-        webs=2,
-        web_nice=(0, args.page_pool_nice),
-    )
+    # Two daphnes: the volunteers connect to the first; the second serves the probe's pages only. The priority
+    # is set after construction: a tree older than Stack.web_nice (a baseline run, see above) ignores it.
+    stack = Stack(var_dir=var_dir, database=args.database, redis_db=args.redis_db, extra_env=extra, webs=2)
+    stack.web_nice = (0, args.page_pool_nice)
+    return stack
 
 
 def niceness(stack: Stack) -> dict[str, int]:
