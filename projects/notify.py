@@ -10,6 +10,9 @@ from channels.layers import get_channel_layer
 from config.celery import app
 
 VOLUNTEERS_GROUP = "volunteers"
+# Connections that asked for work and got none: only they hear work.available. Sent to every volunteer, each
+# beat's announcement woke all 19,000 idle consumers of one web process (issue 15).
+WAITING_GROUP = "waiting"
 RING_UPLOAD_EVENT = "ring.upload"  # workers/ring.py's handler: the named device uploads a ring payload
 
 
@@ -90,7 +93,7 @@ def result_decided(
 
 
 def work_available() -> None:
-    _group_send(VOLUNTEERS_GROUP, {"type": "work.available"})
+    _group_send(WAITING_GROUP, {"type": "work.available"})
 
 
 def preferences_changed(*, user_id: int) -> None:

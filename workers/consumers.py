@@ -114,7 +114,14 @@ class VolunteerConsumer(SignallingMixin, RingMixin, AsyncWebsocketConsumer):  # 
     async def _release(self, work_unit_ids: list[int]) -> None:
         released = await database_sync_to_async(results_release)(user=self.user, work_unit_ids=work_unit_ids)
         if released:
-            await self.channel_layer.group_send(notify.VOLUNTEERS_GROUP, {"type": "work.available"})
+            await self.channel_layer.group_send(notify.WAITING_GROUP, {"type": "work.available"})
+
+    async def _wait(self, *, waiting: bool) -> None:
+        """In the waiting group while told `idle`: only those connections hear work.available."""
+        if waiting != self.waiting:
+            self.waiting = waiting
+            change = PRESENCE.group_join if waiting else PRESENCE.group_leave
+            await change(self.channel_layer, self.channel_name, notify.WAITING_GROUP)
 
     async def _condemn(self, work_unit_id: int, *, reason: str) -> None:
         await database_sync_to_async(result_refuse)(user=self.user, work_unit_id=work_unit_id, reason=reason)
@@ -227,10 +234,10 @@ class VolunteerConsumer(SignallingMixin, RingMixin, AsyncWebsocketConsumer):  # 
         )
         offer = await offers.batcher().offer(request)
         if offer.result is None:
-            self.waiting = True
+            await self._wait(waiting=True)
             await self.send_json(protocol.idle_message(offer.why))
             return
-        self.waiting = False
+        await self._wait(waiting=False)
         self.assigned.add(offer.result.work_unit_id)  # first: if the reply fails, disconnect releases it
         unit = offer.result.work_unit
         # A stage unit's peer ring fields (projects/ring.py) and the following shards of a unit that runs on

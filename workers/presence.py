@@ -71,6 +71,27 @@ class Presence:
         if channel not in self.live:  # it left while these adds waited, maybe after its departure's flush
             await groups_discard(layer, {(group, channel) for group in joining.groups})
 
+    async def group_join(self, layer: Any, channel: str, group: str) -> None:
+        """A group a live connection joins later (and may leave again); it leaves it with the others."""
+        connection = self.live.get(channel)
+        if connection is None or group in connection.groups:
+            return
+        connection.groups += (group,)
+        await layer.group_add(group, channel)
+        if group not in self._groups(channel):  # it left the group, or ended, while the add waited
+            await groups_discard(layer, {(group, channel)})
+
+    async def group_leave(self, layer: Any, channel: str, group: str) -> None:
+        connection = self.live.get(channel)
+        if connection is None or group not in connection.groups:
+            return
+        connection.groups = tuple(g for g in connection.groups if g != group)
+        await groups_discard(layer, {(group, channel)})
+
+    def _groups(self, channel: str) -> tuple[str, ...]:
+        connection = self.live.get(channel)
+        return () if connection is None else connection.groups
+
     def device(self, channel: str, device_id: int) -> None:
         if channel in self.live:
             self.live[channel].device_id = device_id

@@ -18,6 +18,7 @@ from django.test import Client
 from django.utils import timezone
 
 from config.asgi import application
+from projects import notify
 from projects.lifecycle import results_release
 from projects.models import Project, WorkUnit
 from projects.tasks import feed_work_units
@@ -280,6 +281,38 @@ def test_a_waiting_volunteer_that_missed_the_news_gets_work_at_the_next_feeder_b
         await database_sync_to_async(feed_work_units)()  # the beat, run in place
         pushed = json.loads(await second.receive_from(timeout=10))
         assert pushed["type"] == "assign" and pushed["work_unit"]["id"] in held
+        await first.disconnect()
+        await second.disconnect()
+
+    async_to_sync(scenario)()
+
+
+def _waiting_members() -> set[str]:
+    import redis
+
+    store = redis.Redis.from_url(settings.REDIS_URL)
+    return {member.decode() for member in store.zrange(f"asgi:group:{notify.WAITING_GROUP}", 0, -1)}
+
+
+def test_only_volunteers_told_idle_hear_that_work_is_available(
+    mlp_project: Project, volunteer_user: User, other_volunteer: User
+) -> None:
+    """Broadcast to every connection, each beat's work.available woke all 19,000 idle consumers of a web
+    process; a volunteer computing or not asking needs none."""
+
+    async def scenario() -> None:
+        first = await greet(volunteer_user)
+        held = [(await send(first, {"type": "ready"}))["work_unit"]["id"] for _ in range(2)]
+        second = await greet(other_volunteer)
+        assert await database_sync_to_async(_waiting_members)() == set()  # greeted, not asking
+        assert (await send(second, {"type": "ready"}))["type"] == "idle"
+        assert len(await database_sync_to_async(_waiting_members)()) == 1  # the second alone
+        await database_sync_to_async(results_release)(user=volunteer_user, work_unit_ids=held)
+        await database_sync_to_async(_announce_work)()
+        pushed = json.loads(await second.receive_from(timeout=10))
+        assert pushed["type"] == "assign" and pushed["work_unit"]["id"] in held
+        assert await first.receive_nothing(timeout=0.3)  # not waiting: told nothing
+        assert await database_sync_to_async(_waiting_members)() == set()  # assigned: out of the group
         await first.disconnect()
         await second.disconnect()
 

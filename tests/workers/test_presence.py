@@ -116,6 +116,44 @@ def test_the_heartbeat_re_adds_live_members_and_stamps_their_devices(
     assert Device.objects.get(pk=device.pk).last_seen.year > 2000
 
 
+def test_a_group_joined_later_is_stamped_and_left_with_the_connection(
+    store: redis.Redis, layer: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The `waiting` group: joined when a connection is told idle, left when it gets work or ends."""
+    monkeypatch.setattr(presence, "FLUSH_SECONDS", 0.05)
+    mine = Presence()
+
+    async def scenario() -> None:
+        for channel in ("specific.a!1", "specific.a!2"):
+            await mine.join(layer, channel, GROUPS)
+            await mine.group_join(layer, channel, "waiting")
+        await mine.group_join(layer, "specific.gone!1", "waiting")  # not live: joins nothing
+        await mine.group_leave(layer, "specific.a!2", "waiting")
+        store.zadd("asgi:group:waiting", {"specific.a!1": 1.0})
+        await mine.refresh(layer)
+        assert members(store, "waiting")["specific.a!1"] > 1.0
+        mine.leave("specific.a!1")
+        await mine.flush(layer)
+
+    run(scenario)
+    assert members(store, "waiting") == {}
+    assert list(members(store, "volunteers")) == ["specific.a!2"]
+
+
+def test_a_group_left_while_its_add_waited_is_not_kept(store: redis.Redis, layer: Any) -> None:
+    mine = Presence()
+
+    async def scenario() -> None:
+        await mine.join(layer, "specific.a!1", GROUPS)
+        joining = asyncio.ensure_future(mine.group_join(layer, "specific.a!1", "waiting"))
+        await asyncio.sleep(0)  # the add is on its way
+        await mine.group_leave(layer, "specific.a!1", "waiting")
+        await joining
+
+    run(scenario)
+    assert members(store, "waiting") == {}
+
+
 def test_the_heartbeat_stamps_a_big_group_in_slices(
     store: redis.Redis, layer: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
