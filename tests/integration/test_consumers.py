@@ -9,6 +9,7 @@ from typing import Any
 
 import channels.consumer
 import pytest
+import redis
 from asgiref.sync import async_to_sync
 from channels.db import database_sync_to_async
 from channels.testing import WebsocketCommunicator
@@ -288,8 +289,6 @@ def test_a_waiting_volunteer_that_missed_the_news_gets_work_at_the_next_feeder_b
 
 
 def _waiting_members() -> set[str]:
-    import redis
-
     store = redis.Redis.from_url(settings.REDIS_URL)
     return {member.decode() for member in store.zrange(f"asgi:group:{notify.WAITING_GROUP}", 0, -1)}
 

@@ -140,14 +140,25 @@ def test_a_group_joined_later_is_stamped_and_left_with_the_connection(
     assert list(members(store, "volunteers")) == ["specific.a!2"]
 
 
-def test_a_group_left_while_its_add_waited_is_not_kept(store: redis.Redis, layer: Any) -> None:
+def test_a_group_left_while_its_add_waited_is_not_kept(
+    store: redis.Redis, layer: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The leave's removal reaches Redis before the join's add: the join takes its own add back."""
     mine = Presence()
+    gate = asyncio.Event()
+    add = layer.group_add
+
+    async def held(group: str, channel: str) -> None:
+        await gate.wait()
+        await add(group, channel)
 
     async def scenario() -> None:
         await mine.join(layer, "specific.a!1", GROUPS)
+        monkeypatch.setattr(layer, "group_add", held)
         joining = asyncio.ensure_future(mine.group_join(layer, "specific.a!1", "waiting"))
-        await asyncio.sleep(0)  # the add is on its way
+        await asyncio.sleep(0)  # the join waits at its add
         await mine.group_leave(layer, "specific.a!1", "waiting")
+        gate.set()
         await joining
 
     run(scenario)
