@@ -12,12 +12,14 @@ from pathlib import Path
 from config import supervisor
 from config.supervisor import Child, Restarts
 
-# Dies (exit code 3) the first `n` times it runs, counted in a file; then stays up.
+# Dies (exit code 3) the first `n` times it runs, counted in a file; then stays up. The count is written to a
+# side file and renamed over it: the test polls it, and write_text's truncation let it read "" (CI, once).
 DIES_N_TIMES = """
-import pathlib, sys, time
+import os, pathlib, sys, time
 count = pathlib.Path(sys.argv[1])
 runs = int(count.read_text()) if count.exists() else 0
-count.write_text(str(runs + 1))
+count.with_suffix(".new").write_text(str(runs + 1))
+os.replace(count.with_suffix(".new"), count)
 if runs < int(sys.argv[2]):
     sys.exit(3)
 time.sleep(60)
