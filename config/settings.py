@@ -211,6 +211,7 @@ CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
 # the short tasks that close rounds and feed the next one: workers take from both queues in turn.
 CELERY_TASK_ROUTES = {
     "projects.tasks.validate_result": {"queue": "validation"},
+    "projects.tasks.validate_results": {"queue": "validation"},
     "projects.tasks.compute_reference": {"queue": "validation"},
     # The one-CPU time-to-accuracy baseline (minutes of training): a worker of its own, niced, so it never
     # delays validation or a round (runplatform's baseline_args).

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import re
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 from urllib.parse import parse_qs
@@ -68,7 +69,7 @@ async def serve_blob(scope: Scope, receive: Receive, send: Send, *, by_session: 
     if not SHA256.fullmatch(sha256):
         await _reply(send, 404, b"No such blob.")
         return
-    blob, access = await _access(sha256, _grant(scope))
+    blob, access = await _looked_up(sha256, _grant(scope))
     if blob is not None and access is Access.PUBLIC:
         await _serve_public(scope, send, blob)
     elif blob is not None and access is Access.GRANTED:
@@ -91,6 +92,43 @@ async def serve_by_session(scope: Scope, receive: Receive, send: Send) -> None:
 def _grant(scope: Scope) -> str | None:
     values = parse_qs(scope.get("query_string", b"").decode("latin-1"), keep_blank_values=True).get(GRANT)
     return values[0] if values else None
+
+
+class _Public:
+    """Blobs this process found public lately: a round's volunteers all fetch the new version at once, and
+    each fetch was a thread hop and a query (14% of daphne's CPU at 64 volunteers, issue 15). Browsers and
+    proxies keep a public blob a year (IMMUTABLE), so remembering it for seconds changes nothing they see."""
+
+    SECONDS = 10.0
+    MAX_KEPT = 256  # then forgotten all at once: the bound matters, not which ones stay
+
+    def __init__(self) -> None:
+        self._kept: dict[str, tuple[float, Blob]] = {}
+
+    def get(self, sha256: str) -> Blob | None:
+        kept = self._kept.get(sha256)
+        return kept[1] if kept is not None and kept[0] > time.monotonic() else None
+
+    def keep(self, blob: Blob) -> None:
+        if len(self._kept) >= self.MAX_KEPT:
+            self.clear()
+        self._kept[blob.sha256] = (time.monotonic() + self.SECONDS, blob)
+
+    def clear(self) -> None:
+        self._kept.clear()
+
+
+PUBLIC = _Public()  # used from the event loop's thread only
+
+
+async def _looked_up(sha256: str, grant: str | None) -> tuple[Blob | None, Access]:
+    blob = PUBLIC.get(sha256)
+    if blob is not None:
+        return blob, Access.PUBLIC
+    blob, access = await _access(sha256, grant)
+    if blob is not None and access is Access.PUBLIC:
+        PUBLIC.keep(blob)
+    return blob, access
 
 
 @database_sync_to_async

@@ -33,12 +33,11 @@ from projects.models import Blob, DatasetShard, ModelVersion, Project, Result, W
 Pieces = Sequence[bytes | memoryview]
 WRITE_SLICE = 1 << 18
 SPOOL_BYTES = 1 << 22  # from this size a blob is written by a thread of its own while it is hashed
+OCTETS = "application/octet-stream"
 SPOOL_DIR = "00"  # where spooled files wait for their address (any blob directory: the sweep looks there)
 
 
-def blob_put(
-    *, data: bytes | Iterable[bytes | memoryview], content_type: str = "application/octet-stream"
-) -> Blob:
+def blob_put(*, data: bytes | Iterable[bytes | memoryview], content_type: str = OCTETS) -> Blob:
     """Store bytes once; storing the same bytes again returns the existing blob. `data` may come in pieces
     (the blob is their concatenation), which are hashed and written one after the other, never joined; an
     iterator of pieces is consumed as it yields them (see blob_put_computed for one that works to yield).
@@ -69,9 +68,20 @@ def blob_put(
             return blob
 
 
-def blob_put_computed(
-    *, pieces: Iterator[bytes | memoryview], content_type: str = "application/octet-stream"
-) -> Blob:
+def blobs_put(*, datas: Sequence[bytes]) -> list[Blob]:
+    """blob_put of each of `datas`, small blobs (a batch of arriving results) with their rows upserted in one
+    query; large ones, or a bucket's, one at a time as blob_put stores them."""
+    if not datas or blob_store.remote() or any(len(data) >= SPOOL_BYTES for data in datas):
+        return [blob_put(data=data) for data in datas]
+    shas = [hashlib.sha256(data).hexdigest() for data in datas]
+    with transaction.atomic():
+        rows = _upserts(sizes=dict(zip(shas, map(len, datas), strict=True)), content_type=OCTETS)
+        for sha, data in zip(shas, datas, strict=True):
+            _write_file(path=_path(sha), pieces=[data])
+    return [rows[sha] for sha in shas]
+
+
+def blob_put_computed(*, pieces: Iterator[bytes | memoryview], content_type: str = OCTETS) -> Blob:
     """blob_put of `pieces`, an iterator that computes each piece before yielding it (the publish step
     changes each tensor in place, then yields its memory), which must stay unchanged once yielded: a thread
     of its own runs the iterator, handing each piece to this thread to hash as soon as it is yielded, and
@@ -106,17 +116,23 @@ def _digest(pieces: Iterable[bytes | memoryview]) -> tuple[str, int]:
 
 
 def _upsert(*, sha: str, size: int, content_type: str) -> Blob:
-    """The blob's row, inserted or its stored_at refreshed, as it is now: one query (RETURNING), not an
-    upsert and then a read of the row."""
+    return _upserts(sizes={sha: size}, content_type=content_type)[sha]
+
+
+def _upserts(*, sizes: Mapping[str, int], content_type: str) -> dict[str, Blob]:
+    """The blobs' rows (by address: size), inserted or their stored_at refreshed, as they are now: one query
+    (RETURNING), not an upsert and then a read of the rows. In address order, so that two transactions
+    upserting the same blobs never wait for each other in a circle."""
     table = Blob._meta.db_table
     now = timezone.now()
+    shas = sorted(sizes)
     rows = Blob.objects.raw(
         f"INSERT INTO {table} (sha256, size, content_type, created_at, stored_at) "
-        "VALUES (%s, %s, %s, %s, %s) ON CONFLICT (sha256) DO UPDATE SET stored_at = EXCLUDED.stored_at "
-        "RETURNING *",
-        [sha, size, content_type, now, now],
+        f"VALUES {', '.join(['(%s, %s, %s, %s, %s)'] * len(shas))} "
+        "ON CONFLICT (sha256) DO UPDATE SET stored_at = EXCLUDED.stored_at RETURNING *",
+        [value for sha in shas for value in (sha, sizes[sha], content_type, now, now)],
     )
-    return next(iter(rows))
+    return {row.sha256: row for row in rows}
 
 
 def _path(sha: str) -> Path:

@@ -40,6 +40,11 @@ def result_received(*, result_id: int) -> None:
     _enqueue("validate_result", result_id)
 
 
+def results_received(*, result_ids: list[int]) -> None:
+    """A batch of arrivals (lifecycle.results_receive): one task validates them all."""
+    _enqueue("validate_results", result_ids)
+
+
 def reference_wanted(*, work_unit_id: int) -> None:
     _enqueue("compute_reference", work_unit_id)
 

@@ -81,6 +81,32 @@ def validate_result(result_id: int, busy: int = 0) -> int:
     return len(decided)
 
 
+@shared_task(
+    autoretry_for=validation.INFRASTRUCTURE_ERRORS,
+    max_retries=5,
+    retry_backoff=1,
+    retry_backoff_max=30,
+    retry_jitter=True,
+)
+def validate_results(result_ids: list[int]) -> int:
+    """validate_result for a batch of arrivals (lifecycle.results_receive): the first result's batch most
+    often decides the others as its batch mates, and each left undecided gets its own batch. One whose work
+    unit another transaction holds goes on as validate_result's retries. A retry of this task (the server's
+    own failure) finds the results it decided already decided, at one query each."""
+    decided: set[int] = set()
+    for result_id in result_ids:
+        if result_id in decided:
+            continue
+        try:
+            ids = validation.results_validate(result_id=result_id, wait=False)
+        except validation.Busy:
+            validate_result.apply_async((result_id,), {"busy": 1}, countdown=BUSY_SECONDS)
+            continue
+        training.results_decided(result_ids=ids)
+        decided.update(ids)
+    return len(decided)
+
+
 @shared_task
 def results_decided(result_ids: list[int]) -> None:
     training.results_decided(result_ids=result_ids)

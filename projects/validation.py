@@ -118,6 +118,7 @@ CARRIED_ALIGNMENT = 0.03
 NOISE_COSINE = 0.1
 NORM_OUTLIER_FACTOR = 10.0
 NORM_HISTORY = 20
+REPLAY_CANDIDATES = 100
 SERVER_REFERENCE = "the server's recomputation"
 REPLICA_REFERENCE = "another volunteer's result for the same work unit"
 CANONICAL_REFERENCE = "the accepted result of this work unit"
@@ -454,14 +455,17 @@ def _replayed(result: Result) -> bool:
         return False
     received = result.received_at or timezone.now()
     earlier = Q(received_at__lt=received) | Q(received_at=received, pk__lt=result.pk)
-    # By digest, not blob: a decided work unit's updates are deleted (storage.py), their digests stay.
-    same = Result.objects.filter(earlier, digest=result.digest, work_unit__project=unit.project)
-    return same.exclude(
-        work_unit__version=unit.version,
-        work_unit__shard=unit.shard,
-        work_unit__offset=unit.offset,
-        work_unit__count=unit.count,
-    ).exists()
+    # By digest, not blob: a decided work unit's updates are deleted (storage.py), their digests stay. The
+    # digest's own index first, then their work units by key: joined in one statement, PostgreSQL walked every
+    # work unit of the project and probed each for the digest (issue 15). Bounded: past a hundred copies of
+    # one update, the rest are replays of the first anyway.
+    same = Result.objects.filter(earlier, digest=result.digest).values_list("work_unit_id", flat=True)
+    work_unit_ids = list(same[:REPLAY_CANDIDATES])
+    if not work_unit_ids:
+        return False
+    others = WorkUnit.objects.filter(pk__in=work_unit_ids, project_id=unit.project_id)
+    mine = {"version": unit.version, "shard": unit.shard, "offset": unit.offset, "count": unit.count}
+    return others.exclude(**mine).exists()
 
 
 def _norm(update: Tensors) -> float:

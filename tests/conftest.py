@@ -76,6 +76,15 @@ def window_passes(monkeypatch: pytest.MonkeyPatch) -> Callable[[], None]:
 
 
 @pytest.fixture(autouse=True)
+def no_public_blobs_remembered() -> None:
+    """The web process remembers public blobs for seconds (projects/blob_server.py); tests reuse the same
+    bytes, so the same addresses, with other rights."""
+    from projects.blob_server import PUBLIC
+
+    PUBLIC.clear()
+
+
+@pytest.fixture(autouse=True)
 def fresh_channel_layer() -> Iterator[None]:
     """channels keeps one layer per process, and channels_redis binds its receive lock to the event loop of
     the receive() that made it: a test whose loop ended with a receive() in flight left the lock held on a

@@ -26,13 +26,13 @@ from config.db import database_sync_to_async
 from projects import notify
 from projects.lifecycle import (
     MAX_IN_FLIGHT,
+    Arrival,
     OfferRequest,
     ResultError,
-    result_receive,
     result_refuse,
     results_release,
 )
-from workers import limits, offers, protocol
+from workers import arrivals, limits, offers, protocol
 from workers.models import Device
 from workers.preferences import DEFAULTS, Preferences, preferences_effective
 from workers.presence import PRESENCE
@@ -232,7 +232,7 @@ class VolunteerConsumer(SignallingMixin, RingMixin, AsyncWebsocketConsumer):  # 
         request = OfferRequest(
             user=self.user, preferences=self.preferences, device=self.device, memory_mb=self.memory_mb
         )
-        offer = await offers.batcher().offer(request)
+        offer = await offers.batcher().ask(request)
         if offer.result is None:
             await self._wait(waiting=True)
             await self.send_json(protocol.idle_message(offer.why))
@@ -278,16 +278,18 @@ class VolunteerConsumer(SignallingMixin, RingMixin, AsyncWebsocketConsumer):  # 
                 limits.RESULT_BYTES.give_back(len(payload))
             return
         try:
-            outcome = await database_sync_to_async(result_receive)(
-                user=self.user,
-                work_unit_id=meta.work_unit,
-                samples=meta.samples,
-                loss=meta.loss,
-                compute_ms=meta.compute_ms,
-                download_ms=meta.download_ms,
-                payload=payload,
-                model_version=meta.model_version,
-                sent_digest=meta.sent_digest,
+            outcome = await arrivals.batcher().ask(
+                Arrival(
+                    user=self.user,
+                    work_unit_id=meta.work_unit,
+                    samples=meta.samples,
+                    loss=meta.loss,
+                    compute_ms=meta.compute_ms,
+                    download_ms=meta.download_ms,
+                    payload=payload,
+                    model_version=meta.model_version,
+                    sent_digest=meta.sent_digest,
+                )
             )
         except ResultError as exc:
             raise ProtocolError(exc.code, str(exc), work_unit=meta.work_unit) from exc

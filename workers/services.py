@@ -11,6 +11,7 @@ from django.contrib.auth.models import User
 from django.db import transaction
 from django.utils import timezone
 
+from config.bulk import bulk_write
 from projects.swarms import stage_members_leave
 from workers.fitting import download_forget_sent
 from workers.models import (
@@ -194,14 +195,11 @@ def _write_totals(
     ours: dict[tuple[int, int], TeamProjectCredit],
 ) -> None:
     fields = list(Volunteer.CREDIT_FIELDS)
-    Volunteer.objects.bulk_update(list(volunteers.values()), [*fields, "results_accepted"])
-    VolunteerProjectCredit.objects.bulk_update(list(mine.values()), [*fields, "results"])
-    if teams:
-        Team.objects.bulk_update(list(teams.values()), fields)
-    if devices:
-        Device.objects.bulk_update(list(devices.values()), [*fields, "observed_gflops", "compute_ms"])
-    if ours:
-        TeamProjectCredit.objects.bulk_update(list(ours.values()), fields)
+    bulk_write(list(volunteers.values()), [*fields, "results_accepted"])
+    bulk_write(list(mine.values()), [*fields, "results"])
+    bulk_write(list(teams.values()), fields)
+    bulk_write(list(devices.values()), [*fields, "observed_gflops", "compute_ms"])
+    bulk_write(list(ours.values()), fields)
 
 
 def credit_lock(*, user_ids: Iterable[int]) -> None:

@@ -14,6 +14,7 @@ from channels.testing import HttpCommunicator
 from django.contrib.auth.models import User
 
 from config.asgi import application
+from projects import blob_server
 from projects.blobs import blob_put
 from projects.models import Blob, Dataset, Project
 
@@ -54,6 +55,31 @@ def test_blob_is_served_immutable_with_etag() -> None:
     assert response["headers"][b"content-type"] == b"application/octet-stream"
     assert response["headers"][b"content-length"] == str(len(data)).encode()
     assert response["headers"][b"x-content-type-options"] == b"nosniff"
+
+
+def test_a_public_blob_is_looked_up_once_while_a_granted_one_every_time(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A round's volunteers all fetch the new version at once: one lookup for all of them. A blob that is
+    not public (a shard, with its grant) is looked up at every request, so its rights apply at once."""
+    public = public_put(b"new version")
+    private = blob_put(data=b"a shard")
+    asked: list[str] = []
+    look_up = blob_server.blob_access
+
+    def counted(*, sha256: str, grant: str | None) -> Any:
+        asked.append(sha256)
+        return look_up(sha256=sha256, grant=grant)
+
+    monkeypatch.setattr(blob_server, "blob_access", counted)
+    assert [fetch(f"/blobs/{public.sha256}")["status"] for _ in range(3)] == [200, 200, 200]
+    assert [fetch(f"/blobs/{private.sha256}?grant=x")["status"] for _ in range(2)] == [403, 403]
+    assert asked == [public.sha256] + [private.sha256] * 2
+    monkeypatch.setattr(blob_server._Public, "SECONDS", 0.0)  # forgotten once its seconds have passed
+    blob_server.PUBLIC.clear()
+    fetch(f"/blobs/{public.sha256}")
+    fetch(f"/blobs/{public.sha256}")
+    assert asked[3:] == [public.sha256] * 2
 
 
 def test_graphs_keep_their_content_type() -> None:

@@ -284,6 +284,30 @@ def test_a_result_whose_work_unit_another_transaction_holds_comes_back_later(
     assert judged(result).is_valid
 
 
+def test_a_batch_of_arrivals_is_validated_by_one_task_and_a_busy_one_comes_back_alone(
+    mlp_project: Project, volunteer_user: User, other_volunteer: User, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """tasks.validate_results (lifecycle.results_receive's one task for a batch): the free result is decided,
+    the one whose work unit another transaction holds goes on as validate_result's retries."""
+    busy, free = assign(volunteer_user), assign(other_volunteer)
+    _received(busy)
+    _received(free)
+    later: list[tuple[Any, ...]] = []
+    monkeypatch.setattr(tasks.validate_result, "apply_async", lambda *a, **kw: later.append((a, kw)))
+    held, release = threading.Event(), threading.Event()
+    holder = threading.Thread(target=_holding_work_unit, args=(busy.work_unit_id, held, release))
+    holder.start()
+    try:
+        assert held.wait(10)
+        assert tasks.validate_results([busy.pk, free.pk]) == 1
+    finally:
+        release.set()
+        holder.join(10)
+    assert later == [(((busy.pk,), {"busy": 1}), {"countdown": tasks.BUSY_SECONDS})]
+    assert judged(free).is_valid and judged(busy).validation == Result.Validation.PENDING
+    assert tasks.validate_results([busy.pk, free.pk]) == 1 and judged(busy).is_valid
+
+
 def test_after_its_retries_a_busy_result_waits_for_the_lock(
     mlp_project: Project, volunteer_user: User, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -22,6 +22,7 @@ from django.core.signing import TimestampSigner, b62_encode
 from django.test import Client
 
 from config.asgi import application
+from projects import blob_server
 from projects.blobs import blob_put
 from projects.lifecycle import work_unit_assign
 from projects.models import Blob, ModelVersion, Project, Result
@@ -100,6 +101,9 @@ def test_a_shard_that_is_also_a_stopped_projects_weights_is_private(assigned: Re
     ModelVersion.objects.create(project=project, number=99, weights=shard_blob)
     assert fetch(shard_blob.url)["headers"][b"cache-control"] == PUBLIC  # the project is running
     project_pause(project=project)
+    # A web process remembers a public blob for seconds (browsers and proxies keep it a year): then private.
+    assert fetch(shard_blob.url)["status"] == 200
+    blob_server.PUBLIC.clear()
     assert fetch(shard_blob.url)["status"] == 404
 
 

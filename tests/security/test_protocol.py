@@ -366,7 +366,7 @@ def test_frames_over_the_process_wide_budget_get_busy_instead_of_memory(
 def test_the_budget_is_given_back_when_storing_fails(
     mlp_project: Project, volunteer_user: User, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from workers import consumers
+    from workers import arrivals
 
     def broken(**kwargs: Any) -> None:
         raise RuntimeError("disk full")
@@ -374,7 +374,9 @@ def test_the_budget_is_given_back_when_storing_fails(
     async def scenario() -> None:
         communicator = await greeted(volunteer_user)
         unit, payload = await held_unit(communicator)
-        monkeypatch.setattr(consumers, "result_receive", broken)
+        # Both ways a web process stores a result: its batches, and one at a time when a batch fails.
+        monkeypatch.setattr(arrivals, "results_receive", broken)
+        monkeypatch.setattr(arrivals, "result_receive", broken)
         assert (await upload(communicator, unit, payload))["code"] == "server_error"
         assert limits.RESULT_BYTES.in_use == 0
         await still_usable(communicator)
