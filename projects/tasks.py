@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from celery import shared_task
 
 from projects import baseline, lifecycle, notify, services, storage, swarms, training, validation
@@ -53,18 +55,19 @@ def transition() -> int:
 
 BUSY_RETRIES = 3
 BUSY_SECONDS = 0.25
-
-
 # A validation failing for the server's own reasons (database or broker down, blob unreadable) is retried
 # with backoff, 1 s doubling to 30 s; past that the transitioner queues it again until
 # lifecycle.VALIDATION_GIVE_UP_SECONDS, then gives it up. Any other failure is the result's: it is invalid.
-@shared_task(
-    autoretry_for=validation.INFRASTRUCTURE_ERRORS,
-    max_retries=5,
-    retry_backoff=1,
-    retry_backoff_max=30,
-    retry_jitter=True,
-)
+RETRIED: dict[str, Any] = {
+    "autoretry_for": validation.INFRASTRUCTURE_ERRORS,
+    "max_retries": 5,
+    "retry_backoff": 1,
+    "retry_backoff_max": 30,
+    "retry_jitter": True,
+}
+
+
+@shared_task(**RETRIED)
 def validate_result(result_id: int, busy: int = 0) -> int:
     """Decides the result and the batch of its project's results waiting with it (validation.py); the
     tasks of those others then find them decided and return at once. Returns how many were decided. A
@@ -81,13 +84,7 @@ def validate_result(result_id: int, busy: int = 0) -> int:
     return len(decided)
 
 
-@shared_task(
-    autoretry_for=validation.INFRASTRUCTURE_ERRORS,
-    max_retries=5,
-    retry_backoff=1,
-    retry_backoff_max=30,
-    retry_jitter=True,
-)
+@shared_task(**RETRIED)
 def validate_results(result_ids: list[int]) -> int:
     """validate_result for a batch of arrivals (lifecycle.results_receive): the first result's batch most
     often decides the others as its batch mates, and each left undecided gets its own batch. One whose work

@@ -5,35 +5,23 @@ one call of lifecycle.results_receive; what it leaves, or a batch that fails, is
 
 from __future__ import annotations
 
-from config.db import database_sync_to_async
+import dataclasses
+
 from projects.lifecycle import Arrival, ResultOutcome, result_receive, results_receive
-from workers.batching import Batcher, loop_batcher
+from workers.batching import Batcher, pooled_batcher
 
 MAX_BATCH = 32  # results per batch: its transaction holds their rows
 
 
-async def _serve_batch(arrivals: list[Arrival]) -> list[ResultOutcome | None]:
-    outcomes: list[ResultOutcome | None] = await database_sync_to_async(results_receive)(arrivals=arrivals)
-    return outcomes
+def _batch(arrivals: list[Arrival]) -> list[ResultOutcome | None]:
+    return results_receive(arrivals=arrivals)
 
 
-async def _serve_one(arrival: Arrival) -> ResultOutcome:
-    outcome: ResultOutcome = await database_sync_to_async(result_receive)(
-        user=arrival.user,
-        work_unit_id=arrival.work_unit_id,
-        samples=arrival.samples,
-        loss=arrival.loss,
-        compute_ms=arrival.compute_ms,
-        download_ms=arrival.download_ms,
-        payload=arrival.payload,
-        model_version=arrival.model_version,
-        sent_digest=arrival.sent_digest,
-    )
-    return outcome
+def _one(arrival: Arrival) -> ResultOutcome:
+    # Field by field: dataclasses.asdict would deep-copy the user and the payload.
+    return result_receive(**{f.name: getattr(arrival, f.name) for f in dataclasses.fields(arrival)})
 
 
 def batcher() -> Batcher[Arrival, ResultOutcome]:
     """The running event loop's."""
-    return loop_batcher(
-        "arrivals", lambda: Batcher(batch=_serve_batch, single=_serve_one, max_batch=MAX_BATCH)
-    )
+    return pooled_batcher("arrivals", batch=_batch, single=_one, max_batch=MAX_BATCH)

@@ -15,6 +15,8 @@ import weakref
 from collections.abc import Awaitable, Callable
 from typing import Any, Generic, TypeVar
 
+from config.db import database_sync_to_async
+
 logger = logging.getLogger(__name__)
 
 Request = TypeVar("Request")
@@ -80,9 +82,25 @@ _BATCHERS: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, dict[str, Batche
 )
 
 
-def loop_batcher(name: str, make: Callable[[], Batcher[Request, Answer]]) -> Batcher[Request, Answer]:
-    """The running event loop's batcher called `name` (a web process has one loop; tests start several)."""
+def pooled_batcher(
+    name: str,
+    *,
+    batch: Callable[[list[Request]], list[Answer | None]],
+    single: Callable[[Request], Answer],
+    max_batch: int,
+) -> Batcher[Request, Answer]:
+    """The running event loop's batcher called `name` (a web process has one loop; tests start several), whose
+    `batch` and `single` are synchronous database work, run in the thread pool."""
     mine = _BATCHERS.setdefault(asyncio.get_running_loop(), {})
     if name not in mine:
-        mine[name] = make()
+
+        async def serve_batch(requests: list[Request]) -> list[Answer | None]:
+            answers: list[Answer | None] = await database_sync_to_async(batch)(requests)
+            return answers
+
+        async def serve_one(request: Request) -> Answer:
+            answer: Answer = await database_sync_to_async(single)(request)
+            return answer
+
+        mine[name] = Batcher(batch=serve_batch, single=serve_one, max_batch=max_batch)
     return mine[name]

@@ -5,28 +5,21 @@ A batch is one call of lifecycle.work_units_offer; a batch that fails is served 
 
 from __future__ import annotations
 
-from config.db import database_sync_to_async
 from projects.lifecycle import Offer, OfferRequest, work_unit_offer, work_units_offer
-from workers.batching import Batcher, loop_batcher
+from workers.batching import Batcher, pooled_batcher
 
 MAX_BATCH = 32  # ready volunteers per batch: its transaction holds their units' and devices' rows
 
 
-async def _serve_batch(requests: list[OfferRequest]) -> list[Offer | None]:
-    offers: list[Offer | None] = await database_sync_to_async(work_units_offer)(requests=requests)
-    return offers
+def _batch(requests: list[OfferRequest]) -> list[Offer | None]:
+    return [*work_units_offer(requests=requests)]
 
 
-async def _serve_one(request: OfferRequest) -> Offer:
-    offer: Offer = await database_sync_to_async(work_unit_offer)(
-        user=request.user,
-        device=request.device,
-        preferences=request.preferences,
-        memory_mb=request.memory_mb,
-    )
-    return offer
+def _one(request: OfferRequest) -> Offer:
+    r = request
+    return work_unit_offer(user=r.user, device=r.device, preferences=r.preferences, memory_mb=r.memory_mb)
 
 
 def batcher() -> Batcher[OfferRequest, Offer]:
     """The running event loop's."""
-    return loop_batcher("offers", lambda: Batcher(batch=_serve_batch, single=_serve_one, max_batch=MAX_BATCH))
+    return pooled_batcher("offers", batch=_batch, single=_one, max_batch=MAX_BATCH)
