@@ -304,8 +304,7 @@ def _judge_mate(result: Result) -> list[Result]:
     """A batch mate: as the first result, except that a failure of the server's own while judging it (its
     blob unreadable) leaves it pending for its own task to retry, instead of failing the whole batch."""
     try:
-        with transaction.atomic():
-            return _judge_or_invalidate(result)
+        return _judge_or_invalidate(result)  # each of its steps in a savepoint: one that fails leaves nothing
     except INFRASTRUCTURE_ERRORS as exc:
         _staged_drop()
         logger.warning("result %s left for its own validation: %s", result.pk, type(exc).__name__)
@@ -325,8 +324,11 @@ def _judge_or_invalidate(result: Result) -> list[Result]:
     except Exception as exc:
         _staged_drop()
         logger.warning("result %s could not be validated: %s", result.pk, type(exc).__name__)
-        result = _relocked(result_id=result.pk)
-        result_invalidate(result=result, reason=f"could not be validated: {type(exc).__name__}")
+        # A savepoint of its own: a batch mate whose invalidation fails for the server's reasons is left
+        # pending with nothing of it written (a second savepoint around every judgement cost two statements).
+        with transaction.atomic():
+            result = _relocked(result_id=result.pk)
+            result_invalidate(result=result, reason=f"could not be validated: {type(exc).__name__}")
         return [result]
 
 

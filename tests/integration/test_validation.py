@@ -10,7 +10,7 @@ from unittest import mock
 import pytest
 import torch
 from django.contrib.auth.models import User
-from django.db import connection, transaction
+from django.db import OperationalError, connection, transaction
 from django.test.utils import CaptureQueriesContext
 from safetensors.torch import save as st_save
 
@@ -691,6 +691,40 @@ def test_a_batch_mate_the_server_cannot_read_is_left_to_its_own_task(
     monkeypatch.undo()
     assert tasks.validate_result(results[1].pk) == 1 and judged(results[1]).is_valid
     assert CreditEntry.objects.count() == 4
+
+
+def test_a_batch_mate_whose_invalidation_fails_is_left_pending_with_nothing_of_it_written(
+    mlp_project: Project, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    results = _waiting(mlp_project, 3)
+    own_problem, invalidate = validation._own_problem, validation.result_invalidate
+
+    def crafted(result: Result) -> tuple[str | None, Any]:
+        if result.pk == results[1].pk:
+            raise RecursionError("a header nested 100,000 deep")
+        return own_problem(result)
+
+    def half_way(*, result: Result, reason: str) -> None:
+        Result.objects.filter(pk=result.pk).update(reason="half-written")
+        raise OperationalError("the database went away")
+
+    monkeypatch.setattr(validation, "_own_problem", crafted)
+    monkeypatch.setattr(validation, "result_invalidate", half_way)
+    assert tasks.validate_result(results[0].pk) == 2
+    assert [(judged(r).validation, judged(r).reason) for r in results] == [
+        ("valid", ""),
+        ("pending", ""),
+        ("valid", ""),
+    ]
+    monkeypatch.setattr(validation, "result_invalidate", invalidate)
+    assert tasks.validate_result(results[1].pk) == 1 and judged(results[1]).validation == "invalid"
+
+
+def test_each_result_of_a_batch_is_judged_in_one_savepoint(mlp_project: Project) -> None:
+    results = _waiting(mlp_project, 6)
+    with CaptureQueriesContext(connection) as queries:
+        assert tasks.validate_result(results[0].pk) == 6
+    assert sum(q["sql"].startswith("SAVEPOINT") for q in queries.captured_queries) == 6
 
 
 def test_a_batch_skips_results_another_validation_holds(mlp_project: Project) -> None:
