@@ -41,6 +41,7 @@ from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 from statistics import median
+from typing import TypeVar
 
 import kombu.exceptions
 import redis.exceptions
@@ -49,6 +50,7 @@ from django.db import InterfaceError, OperationalError, transaction
 from django.db.models import F, Q, QuerySet
 from django.utils import timezone
 
+from config.bulk import bulk_write
 from engine import codecs
 from engine.aggregate import check_update
 from engine.graph import Graph
@@ -64,6 +66,7 @@ from workers.services import Grant, credit_lock, credits_grant, volunteer_ensure
 
 Tensors = Mapping[str, torch.Tensor]  # decoded tensors, or a codecs.Packed blob that decodes on access
 logger = logging.getLogger(__name__)
+M = TypeVar("M", Result, WorkUnit)
 # The server's own failures, not the result's: judging is retried (tasks.validate_result), and a result
 # still undecided after lifecycle.VALIDATION_GIVE_UP_SECONDS is given up without penalty. OSError covers a
 # blob file missing or unreadable on disk.
@@ -162,26 +165,44 @@ def results_validate(*, result_id: int, limit: int = BATCH_SIZE, wait: bool = Tr
 
 @dataclass
 class Verdicts:
-    """What a batch's valid verdicts add to rows many of them share, written once at its end (write): the
-    credit (ledger, totals, devices' speed) and each round's valid samples (training.round_ready's counter).
-    The rest of a verdict (the result's row, its work unit's, trust) is written as it is judged."""
+    """What a batch's valid verdicts write, once at its end (write): the results' and work units' rows (all
+    locked by the batch already), the credit (ledger, totals, devices' speed) and each round's valid samples
+    (training.round_ready's counter). Trust, and everything an invalid verdict writes, is written as it is
+    judged: the batch's next result of the same volunteer is judged with it."""
 
     grants: list[Grant] = field(default_factory=list)
     samples: Counter[int] = field(default_factory=Counter)  # by model version id
+    results: list[Result] = field(default_factory=list)
+    units: list[WorkUnit] = field(default_factory=list)
 
     def add(self, other: Verdicts) -> None:
         self.grants += other.grants
         self.samples.update(other.samples)
+        self.results += other.results
+        self.units += other.units
+
+    def clear(self) -> None:
+        self.grants.clear()
+        self.samples.clear()
+        self.results.clear()
+        self.units.clear()
 
     def write(self) -> None:
+        bulk_write(_once(self.results), ["validation", "update_norm", "spot_checked", "checked"])
+        bulk_write(_once(self.units), ["status", "canonical_result"])
         credits_grant(grants=self.grants)
         # Last: the version's row is one every validation of the round writes; held only until the commit.
         for version_id, samples in sorted(self.samples.items()):
             ModelVersion.objects.filter(pk=version_id).update(valid_samples=F("valid_samples") + samples)
 
 
+def _once(rows: list[M]) -> list[M]:
+    return list({row.pk: row for row in rows}.values())
+
+
 # The verdicts of the result being judged in results_validate's batch (staged by _validate and _settle).
 _verdicts: ContextVar[Verdicts | None] = ContextVar("verdicts", default=None)
+_earlier: ContextVar[Verdicts | None] = ContextVar("earlier", default=None)  # the batch's, before it
 
 
 @dataclass
@@ -216,16 +237,23 @@ def _current_number(project: Project) -> int:
 
 
 def _staged(batch: Verdicts, result: Result, judge: Callable[[Result], list[Result]]) -> list[Result]:
-    """Judge one result of a batch, its verdict's shared writes staged; kept only if its judgement stood
-    (a judgement that raised was rolled back to its savepoint: see _staged_drop)."""
+    """Judge one result of a batch, its verdict's writes staged; kept only if its judgement stood (a
+    judgement that raised was rolled back to its savepoint: see _staged_drop)."""
     staged = Verdicts()
-    token = _verdicts.set(staged)
+    token, earlier = _verdicts.set(staged), _earlier.set(batch)
     try:
         decided = judge(result)
     finally:
         _verdicts.reset(token)
+        _earlier.reset(earlier)
     batch.add(staged)
     return decided
+
+
+def _staged_valid() -> list[Result]:
+    """The results found valid so far in this batch (not written yet: Verdicts.write)."""
+    staged, earlier = _verdicts.get(), _earlier.get()
+    return [*(earlier.results if earlier else []), *(staged.results if staged else [])]
 
 
 def _verdicts_staging() -> Verdicts:
@@ -239,8 +267,7 @@ def _staged_drop() -> None:
     """The judgement being staged was rolled back: what it staged goes with it."""
     staged = _verdicts.get()
     if staged is not None:
-        staged.grants.clear()
-        staged.samples.clear()
+        staged.clear()
 
 
 def _locked_pending(*, result_id: int, wait: bool = True) -> Result | None:
@@ -620,8 +647,16 @@ def _carried(*, result: Result, project: Project) -> float:
         validation=Result.Validation.VALID,
         update_norm__isnull=False,
     )
-    norm = earlier.order_by("-pk").values_list("update_norm", flat=True).first()
-    return share * (norm or 0.0)
+    latest = earlier.order_by("-pk").values_list("pk", "update_norm").first()
+    # This batch's own valid verdicts are not written until its end: one of them may be the latest.
+    mine = [
+        (r.pk, r.update_norm)
+        for r in _staged_valid()
+        if r.device_id == result.device_id and r.pk < result.pk and r.update_norm is not None
+        and r.work_unit.project_id == project.pk
+    ]  # fmt: skip
+    candidates = [*mine, *([latest] if latest else [])]
+    return share * (max(candidates)[1] or 0.0) if candidates else 0.0
 
 
 def _stochastic(graph: Graph) -> bool:
@@ -790,9 +825,9 @@ def _judge_against_canonical(*, result: Result, update: Tensors) -> Result:
 def _validate(*, result: Result) -> None:
     """Valid: credit (the server's FLOP count, never the client's) and one more step towards trust."""
     result.validation = Result.Validation.VALID
-    result.save(update_fields=["validation", "update_norm", "spot_checked", "checked"])
-    flops = stages.unit_flops(work_unit=result.work_unit)
-    _verdicts_staging().grants.append(Grant(result=result, flops=flops))
+    staged = _verdicts_staging()
+    staged.results.append(result)
+    staged.grants.append(Grant(result=result, flops=stages.unit_flops(work_unit=result.work_unit)))
     # Trust at once: the batch's next result of this volunteer is judged with it (and an invalid one
     # after it resets it, in that order).
     Volunteer.objects.filter(user_id=result.volunteer_id).update(
@@ -803,7 +838,8 @@ def _validate(*, result: Result) -> None:
 def _settle(*, work_unit: WorkUnit, canonical: Result) -> None:
     """The work unit is done; `canonical` is the one result of it that training aggregates."""
     work_unit.status, work_unit.canonical_result = WorkUnit.Status.VALIDATED, canonical
-    work_unit.save(update_fields=["status", "canonical_result"])
     # Counted in the verdicts' transaction, so round_ready reads one row: once for all the batch's verdicts,
-    # at its end (Verdicts.write).
-    _verdicts_staging().samples[work_unit.version_id] += canonical.samples
+    # at its end (Verdicts.write), with the unit's own row.
+    staged = _verdicts_staging()
+    staged.units.append(work_unit)
+    staged.samples[work_unit.version_id] += canonical.samples

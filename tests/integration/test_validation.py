@@ -21,6 +21,7 @@ from projects.models import Project, Result, WorkUnit
 from projects.validation import recompute
 from tests.integration.volunteer import assign, honest_update, judged, receive, tampered
 from workers.models import CreditEntry, Device, Volunteer
+from workers.services import device_register
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -720,11 +721,46 @@ def test_a_batch_mate_whose_invalidation_fails_is_left_pending_with_nothing_of_i
     assert tasks.validate_result(results[1].pk) == 1 and judged(results[1]).validation == "invalid"
 
 
-def test_each_result_of_a_batch_is_judged_in_one_savepoint(mlp_project: Project) -> None:
+def test_each_result_of_a_batch_is_judged_in_one_savepoint_and_written_with_the_others(
+    mlp_project: Project,
+) -> None:
     results = _waiting(mlp_project, 6)
     with CaptureQueriesContext(connection) as queries:
         assert tasks.validate_result(results[0].pk) == 6
-    assert sum(q["sql"].startswith("SAVEPOINT") for q in queries.captured_queries) == 6
+    sql = [q["sql"] for q in queries.captured_queries]
+    assert sum(s.startswith("SAVEPOINT") for s in sql) == 6
+    # The verdicts' rows: one statement for the results, one for their work units (not one a result each).
+    assert sum(s.startswith('UPDATE "projects_result" AS t') for s in sql) == 1
+    assert sum(s.startswith('UPDATE "projects_workunit"') for s in sql) == 1
+
+
+def test_error_feedbacks_allowance_counts_a_valid_verdict_earlier_in_the_same_batch(
+    mlp_project: Project, volunteer_user: User, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A batch writes its valid verdicts at its end: the allowance for what error feedback carried into a
+    device's second result still comes from its first, found valid earlier in the same batch."""
+    Project.objects.filter(pk=mlp_project.pk).update(batch_size=10, round_samples=40)
+    WorkUnit.objects.filter(project=mlp_project).delete()
+    lifecycle.work_units_feed(project_id=mlp_project.pk)
+    device = device_register(user=volunteer_user, client_id="b", backend="wasm", gflops=5.0, user_agent="")
+    first = lifecycle.work_unit_assign(user=volunteer_user, device=device)
+    second = lifecycle.work_unit_assign(user=volunteer_user, device=device)
+    assert first is not None and second is not None
+    with mock.patch("projects.notify.result_received"):
+        receive(volunteer_user, first)
+        receive(volunteer_user, second)
+    allowed: dict[int, float] = {}
+    carried = validation._carried
+
+    def recorded(*, result: Result, project: Project) -> float:
+        allowed[result.pk] = carried(result=result, project=project)
+        return allowed[result.pk]
+
+    monkeypatch.setattr(validation, "_carried", recorded)
+    assert tasks.validate_result(first.pk) == 2  # not trusted yet: both spot-checked
+    assert judged(first).is_valid and judged(second).is_valid
+    norm = judged(first).update_norm
+    assert norm and allowed[second.pk] == pytest.approx(validation.CARRIED["int8"] * norm)
 
 
 def test_a_batch_skips_results_another_validation_holds(mlp_project: Project) -> None:
