@@ -74,7 +74,8 @@ def blobs_put(*, datas: Sequence[bytes]) -> list[Blob]:
     if not datas or blob_store.remote() or any(len(data) >= SPOOL_BYTES for data in datas):
         return [blob_put(data=data) for data in datas]
     shas = [hashlib.sha256(data).hexdigest() for data in datas]
-    with transaction.atomic():
+    # No savepoint inside the caller's transaction (results_receive's): a failure here fails the batch anyway.
+    with transaction.atomic(savepoint=False):
         rows = _upserts(sizes=dict(zip(shas, map(len, datas), strict=True)), content_type=OCTETS)
         for sha, data in zip(shas, datas, strict=True):
             _write_file(path=_path(sha), pieces=[data])

@@ -73,15 +73,19 @@ def validate_result(result_id: int, busy: int = 0) -> int:
     tasks of those others then find them decided and return at once. Returns how many were decided. A
     result whose work unit another transaction holds comes back BUSY_SECONDS later, BUSY_RETRIES times,
     and then waits for it: the holder most often decides it meanwhile, as a batch mate."""
+    return len(_decide(result_id=result_id, busy=busy))
+
+
+def _decide(*, result_id: int, busy: int) -> list[int]:
     try:
         decided = validation.results_validate(result_id=result_id, wait=busy >= BUSY_RETRIES)
     except validation.Busy:
         validate_result.apply_async((result_id,), {"busy": busy + 1}, countdown=BUSY_SECONDS)
-        return 0
+        return []
     # Announced here, once its transaction committed, not through notify.results_decided's task: the verdict
     # completing a round queues the step with no extra trip through the queue (one round_ready a batch).
     training.results_decided(result_ids=decided)
-    return len(decided)
+    return decided
 
 
 @shared_task(**RETRIED)
@@ -92,15 +96,8 @@ def validate_results(result_ids: list[int]) -> int:
     own failure) finds the results it decided already decided, at one query each."""
     decided: set[int] = set()
     for result_id in result_ids:
-        if result_id in decided:
-            continue
-        try:
-            ids = validation.results_validate(result_id=result_id, wait=False)
-        except validation.Busy:
-            validate_result.apply_async((result_id,), {"busy": 1}, countdown=BUSY_SECONDS)
-            continue
-        training.results_decided(result_ids=ids)
-        decided.update(ids)
+        if result_id not in decided:
+            decided.update(_decide(result_id=result_id, busy=0))
     return len(decided)
 
 
