@@ -23,7 +23,7 @@ import bisect
 import itertools
 import math
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from functools import partial
 from statistics import median
@@ -42,7 +42,7 @@ from projects.datasets import shard_position
 from projects.models import DatasetShard, ModelVersion, Project, Result, WorkUnit
 from projects.shares import shares_order, usage_charge
 from workers import fitting
-from workers.models import Device, Volunteer
+from workers.models import Device, DeviceDownload, Volunteer
 from workers.preferences import Preferences, preferences_effective
 from workers.services import volunteer_ensure, volunteer_record_invalid
 
@@ -273,13 +273,16 @@ class OfferRequest:
 @dataclass
 class _Batch:
     """The open work units one batch chooses from: locked, in the order work_unit_offer would take them, and
-    which of them each volunteer of the batch holds an instance of already."""
+    which of them each volunteer of the batch holds an instance of already. What its sends change is written
+    once (write): at its end, or before a search that reads it."""
 
     order: list[int]
     units: dict[int, WorkUnit]
     complete: bool  # every open unit nobody else has locked is listed: what is not here, no search finds
     held: set[tuple[int, int]]  # (work unit, volunteer)
     charges: dict[int, int]  # flops sent per project, charged once at the end
+    todays: dict[int, DeviceDownload]  # the devices' rows of today, locked (fitting.todays_lock)
+    unwritten: list[Result] = field(default_factory=list)  # instances sent from the list, not created yet
 
     def sent(self, *, work_unit: WorkUnit, user_id: int, split: bool) -> None:
         """`split`: its rest became a new unit (lifecycle._split_to_fit), which the list does not hold."""
@@ -291,14 +294,32 @@ class _Batch:
             work_unit=work_unit
         )
 
+    def today(self, device: Device | None) -> DeviceDownload | None:
+        """The device's row of today, locked: one object per device, which its sends count into."""
+        if device is not None and device.pk not in self.todays:
+            self.todays.update(fitting.todays_lock(device_ids=[device.pk]))
+        return None if device is None else self.todays[device.pk]
+
+    def write(self) -> None:
+        """Three statements for the sends so far, where each took three (issue 15)."""
+        if not self.unwritten:
+            return
+        units = {result.work_unit_id: result.work_unit for result in self.unwritten}
+        bulk_write(sorted(units.values(), key=lambda unit: unit.pk), SENT_FIELDS)
+        devices = {result.device_id for result in self.unwritten if result.device_id is not None}
+        bulk_write([self.todays[pk] for pk in sorted(devices)], fitting.DOWNLOAD_FIELDS)
+        Result.objects.bulk_create(self.unwritten)
+        self.unwritten = []
+
 
 def work_units_offer(*, requests: list[OfferRequest]) -> list[Offer]:
     """work_unit_offer for several volunteers at once, in their order: a web process gathers the `ready`s
     of its connections while its previous batch runs (workers/offers.py). One transaction; the volunteers'
     rows in one query; the work units taken from one locked list of the open ones, where each `ready`
-    compiled and ran its own search (a third of daphne's CPU at 64 volunteers, issue 15); each project's
-    usage charged once. A volunteer for whom the first unit in line does not do (its device's limits, a
-    pipeline stage unit) gets work_unit_offer's own search, in the same transaction."""
+    compiled and ran its own search (a third of daphne's CPU at 64 volunteers, issue 15); the devices' rows
+    of today locked in one statement; what the sends change written in one statement per table; each
+    project's usage charged once. A volunteer for whom the first unit in line does not do (its device's
+    limits, a pipeline stage unit) gets work_unit_offer's own search, in the same transaction."""
     volunteers = _volunteers(users=[request.user for request in requests])
     now = timezone.now()
     if not work_sendable():
@@ -307,8 +328,10 @@ def work_units_offer(*, requests: list[OfferRequest]) -> list[Offer]:
         ]
     with transaction.atomic():
         order = shares_order()
-        batch = _batch_for(order=order, requests=requests)
+        working = [r for r in requests if volunteers[r.user.pk].may_work(now=now)]
+        batch = _batch_for(order=order, requests=working)
         offers = [_batch_offer(request=r, volunteer=volunteers[r.user.pk], batch=batch) for r in requests]
+        batch.write()
         for project_id, flops in sorted(batch.charges.items()):  # last, in id order (as work_unit_offer)
             usage_charge(project_id=project_id, flops=flops)
     return offers
@@ -325,7 +348,8 @@ def _volunteers(*, users: list[User]) -> dict[int, Volunteer]:
 
 def _batch_for(*, order: list[int], requests: list[OfferRequest]) -> _Batch:
     """Two open units per request at most (a unit wanted twice, a volunteer holding one already), locked
-    (SKIP LOCKED: another process's batch takes the next ones) until the batch commits."""
+    (SKIP LOCKED: another process's batch takes the next ones) until the batch commits; and the rows of
+    today of as many devices as the list has instances for (the others most likely find none left)."""
     rank = Case(
         *(When(project_id=pk, then=Value(i)) for i, pk in enumerate(order)), default=Value(len(order))
     )
@@ -338,12 +362,15 @@ def _batch_for(*, order: list[int], requests: list[OfferRequest]) -> _Batch:
     )
     user_ids = [request.user.pk for request in requests]
     held = Result.objects.filter(work_unit__in=units, volunteer_id__in=user_ids)
+    wanted = sum(unit.wanted for unit in units)
+    devices = [r.device.pk for r in requests if r.device is not None][:wanted]
     return _Batch(
         order=order,
         units={unit.pk: unit for unit in units},
         complete=len(units) < limit,
         held=set(held.values_list("work_unit_id", "volunteer_id")),
         charges={},
+        todays=fitting.todays_lock(device_ids=devices),
     )
 
 
@@ -354,23 +381,51 @@ def _batch_offer(*, request: OfferRequest, volunteer: Volunteer, batch: _Batch) 
     if first is None and batch.complete:
         # Once a round is handed out, most of a batch finds none left: no search would find one either.
         return Offer(None, "no_work")
-    user, device = request.user, request.device
-    limits = fitting.limits_for(device=device, preferences=request.preferences, memory_mb=request.memory_mb)
+    device = request.device
+    limits = fitting.limits_for(
+        device=device, preferences=request.preferences, memory_mb=request.memory_mb, today=batch.today(device)
+    )
     work_unit, samples = _fitting_first(work_unit=first, limits=limits)
     if work_unit is None:
-        device_id = device.pk if device else None
-        work_unit, samples, why = _fitting_work_unit(
-            user=user, preferences=request.preferences, limits=limits, order=batch.order, device_id=device_id
-        )
-        if work_unit is None:
-            return Offer(None, why)
+        return _batch_search(request=request, volunteer=volunteer, batch=batch, limits=limits)
+    count = work_unit.count
+    _sending(work_unit=work_unit, samples=samples, volunteer=volunteer, device=device)
+    if limits.today is not None:
+        fitting.download_count(today=limits.today, work_unit=work_unit)
+    result = Result(work_unit=work_unit, volunteer=request.user, device=device, deadline=_deadline())
+    batch.unwritten.append(result)
+    return _batch_sent(request=request, result=result, batch=batch, split=work_unit.count < count)
+
+
+def _batch_search(
+    *, request: OfferRequest, volunteer: Volunteer, batch: _Batch, limits: fitting.Limits
+) -> Offer:
+    """work_unit_offer's search, on the rows as the batch's sends so far left them."""
+    batch.write()
+    user, device = request.user, request.device
+    device_id = device.pk if device else None
+    work_unit, samples, why = _fitting_work_unit(
+        user=user, preferences=request.preferences, limits=limits, order=batch.order, device_id=device_id
+    )
+    if work_unit is None:
+        return Offer(None, why)
     count = work_unit.count
     result = _send(
         work_unit=work_unit, samples=samples, user=user, volunteer=volunteer, device=device, limits=limits
     )
-    batch.sent(work_unit=work_unit, user_id=user.pk, split=work_unit.count < count)
+    return _batch_sent(request=request, result=result, batch=batch, split=work_unit.count < count)
+
+
+def _batch_sent(*, request: OfferRequest, result: Result, batch: _Batch, split: bool) -> Offer:
+    # With several projects running, why it was chosen reads the open units without the batch's unwritten
+    # sends: a unit of another project handed out earlier in this batch may still count as one it could have
+    # had ("share" for "only"). Only that word of the message, never what is sent.
+    batch.sent(work_unit=result.work_unit, user_id=request.user.pk, split=split)
     why = _why_chosen(
-        work_unit=work_unit, user=user, preferences=request.preferences, running=len(batch.order)
+        work_unit=result.work_unit,
+        user=request.user,
+        preferences=request.preferences,
+        running=len(batch.order),
     )
     return Offer(result, why)
 
@@ -441,18 +496,27 @@ def _send(
     device: Device | None,
     limits: fitting.Limits,
 ) -> Result:
-    speed = _device_samples(work_unit=work_unit, device=device) if device else samples
-    _split_to_fit(work_unit=work_unit, samples=min(samples, speed))
+    _sending(work_unit=work_unit, samples=samples, volunteer=volunteer, device=device)
     if device is not None:
         fitting.download_record(device=device, work_unit=work_unit, today=limits.today)
+    work_unit.save(update_fields=SENT_FIELDS)
+    return _instance(work_unit=work_unit, user=user, device=device, deadline=_deadline())
+
+
+SENT_FIELDS = ["wanted", "total_results", "count", "target_results", "min_quorum", "spot_check"]
+
+
+def _sending(*, work_unit: WorkUnit, samples: int, volunteer: Volunteer, device: Device | None) -> None:
+    """What one more instance sent changes in its work unit's row (SENT_FIELDS), not written yet."""
+    speed = _device_samples(work_unit=work_unit, device=device) if device else samples
+    _split_to_fit(work_unit=work_unit, samples=min(samples, speed))
     work_unit.wanted -= 1
     work_unit.total_results += 1
     _plan_spot_check(work_unit=work_unit, volunteer=volunteer)
-    work_unit.save(
-        update_fields=["wanted", "total_results", "count", "target_results", "min_quorum", "spot_check"]
-    )
-    deadline = timezone.now() + timedelta(seconds=settings.CROWDTRAIN["WORK_UNIT_DEADLINE_SECONDS"])
-    return _instance(work_unit=work_unit, user=user, device=device, deadline=deadline)
+
+
+def _deadline() -> datetime:
+    return timezone.now() + timedelta(seconds=settings.CROWDTRAIN["WORK_UNIT_DEADLINE_SECONDS"])
 
 
 def _device_samples(*, work_unit: WorkUnit, device: Device) -> int:

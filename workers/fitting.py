@@ -48,13 +48,20 @@ class Fit:
     reason: str = ""  # why none: "download_limit" or "too_large"
 
 
-def limits_for(*, device: Device | None, preferences: Preferences, memory_mb: float | None) -> Limits:
+def limits_for(
+    *,
+    device: Device | None,
+    preferences: Preferences,
+    memory_mb: float | None,
+    today: DeviceDownload | None = None,
+) -> Limits:
     """Locks the device's row of today (until the caller's transaction ends): two connections of one
-    browser cannot both spend the last of its allowance."""
+    browser cannot both spend the last of its allowance. `today`: that row, if the caller locked it
+    (todays_lock)."""
     memory = None if not memory_mb else int(memory_mb * MB * MEMORY_SHARE)
     if device is None:
         return Limits(work_unit_bytes=preferences.max_work_unit_bytes(), memory_bytes=memory)
-    today = _today(device_id=device.pk)
+    today = today if today is not None and today.device_id == device.pk else _today(device_id=device.pk)
     allowance = preferences.max_download_bytes()
     return Limits(
         work_unit_bytes=preferences.max_work_unit_bytes(),
@@ -136,8 +143,16 @@ def download_record(*, device: Device, work_unit: WorkUnit, today: DeviceDownloa
     """Count `work_unit`'s download against the device's day (inside the sending transaction). `today`: the
     device's row of today as limits_for locked it in this transaction (read again if not given)."""
     today = today if today is not None and today.device_id == device.pk else _today(device_id=device.pk)
+    download_count(today=today, work_unit=work_unit)
+    today.save(update_fields=DOWNLOAD_FIELDS)
+
+
+DOWNLOAD_FIELDS = ["bytes", "work_units", "blobs"]
+
+
+def download_count(*, today: DeviceDownload, work_unit: WorkUnit) -> None:
+    """download_record without the write: a batch of sends writes its devices' rows once (DOWNLOAD_FIELDS)."""
     today.record(work_unit_blobs(work_unit, held=today.blobs))
-    today.save(update_fields=["bytes", "work_units", "blobs"])
 
 
 def download_forget_sent(*, device_id: int) -> None:
@@ -151,20 +166,32 @@ def download_today(*, device_id: int) -> int:
     return row.bytes if row else 0
 
 
-# One statement whether the row exists yet or not, and it locks the row (a no-key update: `bytes` is no key)
+# One statement whether the rows exist yet or not, and it locks them (a no-key update: `bytes` is no key)
 # until the sending transaction ends, as the insert-then-SELECT FOR NO KEY UPDATE it replaces did in two
-# round trips (every assignment makes one: issue 15).
+# round trips per device (every assignment makes one: issue 15).
 _TODAY = (
-    "INSERT INTO {table} AS t (device_id, day, bytes, work_units, blobs) VALUES (%s, %s, 0, 0, '[]') "
+    "INSERT INTO {table} AS t (device_id, day, bytes, work_units, blobs) VALUES {rows} "
     "ON CONFLICT (device_id, day) DO UPDATE SET bytes = t.bytes RETURNING *"
 )
 
 
+def todays_lock(*, device_ids: Collection[int]) -> dict[int, DeviceDownload]:
+    """limits_for's row of today for several devices, in one statement on PostgreSQL: a batch of sends
+    (lifecycle.work_units_offer). Locked in id order, as every batch locks them."""
+    ids, day = sorted(set(device_ids)), timezone.now().date()
+    if not ids:
+        return {}
+    if connection.vendor != "postgresql":
+        # The embedded SQLite of `make run`: one process, the same queries whether the rows exist or not.
+        new = [DeviceDownload(device_id=pk, day=day) for pk in ids]
+        DeviceDownload.objects.bulk_create(new, ignore_conflicts=True)
+        locked = DeviceDownload.objects.select_for_update(no_key=True).filter(device_id__in=ids, day=day)
+        return {row.device_id: row for row in locked}
+    table = connection.ops.quote_name(DeviceDownload._meta.db_table)
+    sql = _TODAY.format(table=table, rows=", ".join(["(%s, %s, 0, 0, '[]')"] * len(ids)))
+    rows = DeviceDownload.objects.raw(sql, [value for pk in ids for value in (pk, day)])
+    return {row.device_id: row for row in rows}
+
+
 def _today(*, device_id: int) -> DeviceDownload:
-    day = timezone.now().date()
-    if connection.vendor == "postgresql":
-        table = connection.ops.quote_name(DeviceDownload._meta.db_table)
-        return next(iter(DeviceDownload.objects.raw(_TODAY.format(table=table), [device_id, day])))
-    # The embedded SQLite of `make run`: one process, the same queries whether the row exists or not.
-    DeviceDownload.objects.bulk_create([DeviceDownload(device_id=device_id, day=day)], ignore_conflicts=True)
-    return DeviceDownload.objects.select_for_update(no_key=True).get(device_id=device_id, day=day)
+    return todays_lock(device_ids=[device_id])[device_id]

@@ -20,7 +20,7 @@ from projects.lifecycle import OfferRequest, work_units_offer
 from projects.models import Project, Result, WorkUnit
 from tests.integration.test_consumers import greet, send
 from workers import offers
-from workers.models import ComputingPreferences, Volunteer
+from workers.models import ComputingPreferences, DeviceDownload, Volunteer
 from workers.preferences import DEFAULTS, preferences_effective
 from workers.services import device_register
 
@@ -69,24 +69,30 @@ def test_a_batch_sends_each_volunteer_the_unit_one_at_a_time_would(mlp_project: 
     assert alone is not None and alone.work_unit_id == units[12]
 
 
-def test_a_batch_searches_the_open_units_once_whatever_its_size(mlp_project: Project) -> None:
+@pytest.mark.parametrize("size", [4, 16])
+def test_a_batch_costs_the_same_statements_whatever_its_size(mlp_project: Project, size: int) -> None:
     """Each `ready` compiled and ran the search for its unit, under locks: a third of daphne's CPU at 64
-    volunteers (issue 15). A batch runs it once, and charges its project's usage once."""
+    volunteers (issue 15). A batch runs it once and charges its project's usage once; and it locks its
+    devices' days, updates its units and their days and creates its instances in one statement each, where
+    each send took four."""
     _round_of(mlp_project, 40)
-    requests = _requests(_crowd(16))
+    requests = _requests(_crowd(size))
     with CaptureQueriesContext(connection) as queries:
         offered = work_units_offer(requests=requests)
-    assert sum(o.result is not None for o in offered) == 16
-    sql = [q["sql"] for q in queries.captured_queries]
+    assert sum(o.result is not None for o in offered) == size
+    sql = [q["sql"].lstrip() for q in queries.captured_queries]
     assert sum("SKIP LOCKED" in s for s in sql) == 1
-    assert sum(s.lstrip().startswith('INSERT INTO "projects_projectusage"') for s in sql) == 1
-    # Per volunteer: its device's day (locked), the unit's update, the instance, the day's new count.
-    assert len(sql) <= 4 * 16 + 8, len(sql)
+    for table in ("projects_projectusage", "workers_devicedownload", "projects_result"):
+        assert sum(s.startswith(f'INSERT INTO "{table}"') for s in sql) == 1, table
+    for table in ("projects_workunit", "workers_devicedownload"):
+        assert sum(s.startswith(f'UPDATE "{table}"') for s in sql) == 1, table
+    assert len(sql) <= 12, sql
 
 
 def test_the_rest_of_a_batch_once_the_round_is_handed_out_costs_no_search(mlp_project: Project) -> None:
     """Readies outnumber the units left: those that find none left in the batch's complete list are told
-    so, without searching the open units again or locking their devices' day."""
+    so, without searching the open units again or locking their devices' day (the batch locks as many
+    devices' days as its list has instances)."""
     units = _round_of(mlp_project, 4)
     requests = _requests(_crowd(12))
     with CaptureQueriesContext(connection) as queries:
@@ -95,7 +101,8 @@ def test_the_rest_of_a_batch_once_the_round_is_handed_out_costs_no_search(mlp_pr
     assert [o.why for o in offered[4:]] == ["no_work"] * 8
     sql = [q["sql"] for q in queries.captured_queries]
     assert sum("SKIP LOCKED" in s for s in sql) == 1
-    assert sum(s.lstrip().startswith('INSERT INTO "workers_devicedownload"') for s in sql) == 4
+    assert sum(s.lstrip().startswith('INSERT INTO "workers_devicedownload"') for s in sql) == 1
+    assert DeviceDownload.objects.count() == 4
 
 
 def test_a_batch_follows_each_volunteers_choice_of_projects(
@@ -148,6 +155,26 @@ def test_a_device_the_first_unit_does_not_fit_gets_what_the_search_says(mlp_proj
     offered = work_units_offer(requests=[dataclasses.replace(tiny, memory_mb=0.001)])
     alone = lifecycle.work_unit_offer(user=tiny.user, device=tiny.device, memory_mb=0.001)
     assert offered[0].result is None and offered[0].why == alone.why == "too_large"
+
+
+def test_a_search_in_a_batch_reads_the_sends_before_it(
+    mlp_project: Project, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The batch writes its sends once, at its end: a volunteer for whom the first unit in line does not do
+    searches the database, which must already show the units and instances sent before it."""
+    units = _round_of(mlp_project, 4)
+    first, tiny = _requests(_crowd(2))
+    seen: list[tuple[int, int]] = []
+    search = lifecycle._fitting_work_unit
+
+    def watched(**kwargs: Any) -> tuple[WorkUnit | None, int, str]:
+        seen.append((WorkUnit.objects.get(pk=units[0]).wanted, Result.objects.count()))
+        return search(**kwargs)
+
+    monkeypatch.setattr(lifecycle, "_fitting_work_unit", watched)
+    offered = work_units_offer(requests=[first, dataclasses.replace(tiny, memory_mb=0.001)])
+    assert offered[0].result is not None and offered[0].result.work_unit_id == units[0]
+    assert offered[1].why == "too_large" and seen == [(0, 1)]
 
 
 @pytest.mark.django_db(transaction=True)
