@@ -154,7 +154,8 @@ def results_validate(*, result_id: int, limit: int = BATCH_SIZE, wait: bool = Tr
         mates = _batch_mates(first=first, limit=limit - 1)
         # Every volunteer's row of the batch (in id order), then their teams', before any verdict: verdicts
         # lock them one by one, and two batches doing so in crossing orders would deadlock.
-        credit_lock(user_ids=[r.volunteer_id for r in [first, *mates]])
+        volunteers = credit_lock(user_ids=[r.volunteer_id for r in [first, *mates]])
+        _trust_known(volunteers=volunteers)
         batch = Verdicts()
         decided = _staged(batch, first, _judge_or_invalidate)
         for mate in mates:
@@ -213,6 +214,10 @@ class ReadOnce:
 
     versions: dict[int, int] = field(default_factory=dict)
     norms: dict[int, list[float]] = field(default_factory=dict)
+    # Each volunteer's run of valid results, as its locked row has it (kept in step by _validate), while
+    # every verdict of the batch is valid: anything else (an invalid or late verdict, a judgement rolled
+    # back) forgets them all, and trust is read from the row again (_trusted).
+    trust: dict[int, int] = field(default_factory=dict)
 
 
 _read_once: ContextVar[ReadOnce | None] = ContextVar("read_once", default=None)
@@ -241,13 +246,30 @@ def _staged(batch: Verdicts, result: Result, judge: Callable[[Result], list[Resu
     judgement that raised was rolled back to its savepoint: see _staged_drop)."""
     staged = Verdicts()
     token, earlier = _verdicts.set(staged), _earlier.set(batch)
+    decided: list[Result] = []
     try:
         decided = judge(result)
     finally:
         _verdicts.reset(token)
         _earlier.reset(earlier)
+        if not decided or any(r.validation != Result.Validation.VALID for r in decided):
+            _trust_known(volunteers={})
     batch.add(staged)
     return decided
+
+
+def _trust_known(*, volunteers: dict[int, Volunteer]) -> None:
+    memo = _read_once.get()
+    if memo is not None:
+        memo.trust = {user_id: volunteer.consecutive_valid for user_id, volunteer in volunteers.items()}
+
+
+def _trusted(*, result: Result, threshold: int) -> bool:
+    """Whether the result's volunteer is trusted now: the batch's rows while they are known, else read."""
+    memo = _read_once.get()
+    if memo is not None and result.volunteer_id in memo.trust:
+        return memo.trust[result.volunteer_id] >= threshold
+    return volunteer_ensure(user=result.volunteer).is_trusted(threshold=threshold)
 
 
 def _staged_valid() -> list[Result]:
@@ -402,7 +424,7 @@ def _judge_stage(result: Result) -> list[Result]:
     makes ready. Undecided (none returned) while a payload the recomputation needs is still with the peer
     that sent it by the ring (ring.ring_check_inputs asks it to upload)."""
     work_unit = result.work_unit
-    trusted = volunteer_ensure(user=result.volunteer).is_trusted(threshold=work_unit.project.trust_threshold)
+    trusted = _trusted(result=result, threshold=work_unit.project.trust_threshold)
     check = work_unit.spot_check or not trusted
     if check and ring.ring_check_inputs(work_unit=work_unit):
         return []
@@ -566,7 +588,7 @@ def _spot_check(*, result: Result, update: Tensors) -> str | None:
         return None  # replicas are decided when work is sent (lifecycle.work_unit_assign)
     # Drawn when the work was sent (lifecycle.work_unit_assign); a volunteer that lost its trust since
     # is checked all the same.
-    trusted = volunteer_ensure(user=result.volunteer).is_trusted(threshold=project.trust_threshold)
+    trusted = _trusted(result=result, threshold=project.trust_threshold)
     if trusted and not result.work_unit.spot_check:
         return None
     result.spot_checked = True
@@ -833,6 +855,9 @@ def _validate(*, result: Result) -> None:
     Volunteer.objects.filter(user_id=result.volunteer_id).update(
         consecutive_valid=F("consecutive_valid") + 1, consecutive_invalid=0
     )
+    memo = _read_once.get()
+    if memo is not None and result.volunteer_id in memo.trust:
+        memo.trust[result.volunteer_id] += 1
 
 
 def _settle(*, work_unit: WorkUnit, canonical: Result) -> None:

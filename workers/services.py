@@ -202,14 +202,17 @@ def _write_totals(
     bulk_write(list(ours.values()), fields)
 
 
-def credit_lock(*, user_ids: Iterable[int]) -> None:
+def credit_lock(*, user_ids: Iterable[int]) -> dict[int, Volunteer]:
     """Inside the caller's transaction, before it credits several volunteers: lock all their rows (in user
     id order), then their teams' (in id order). credit_grant locks a volunteer and then the team; without
-    this, two validations crediting volunteers of one team in crossing orders could deadlock."""
-    volunteers = Volunteer.objects.select_for_update(no_key=True).filter(user_id__in=list(user_ids))
-    team_ids = {team_id for team_id in volunteers.order_by("user_id").values_list("team_id", flat=True)}
-    teams = Team.objects.select_for_update(no_key=True).filter(pk__in=team_ids - {None})
+    this, two validations crediting volunteers of one team in crossing orders could deadlock. Returns the
+    volunteers' rows as locked, by user id."""
+    locked = Volunteer.objects.select_for_update(no_key=True).filter(user_id__in=list(user_ids))
+    volunteers = {volunteer.user_id: volunteer for volunteer in locked.order_by("user_id")}
+    team_ids = {volunteer.team_id for volunteer in volunteers.values() if volunteer.team_id is not None}
+    teams = Team.objects.select_for_update(no_key=True).filter(pk__in=team_ids)
     list(teams.order_by("pk").values_list("pk", flat=True))
+    return volunteers
 
 
 def _locked_team(*, team_id: int | None) -> Team | None:

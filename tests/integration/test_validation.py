@@ -734,6 +734,56 @@ def test_each_result_of_a_batch_is_judged_in_one_savepoint_and_written_with_the_
     assert sum(s.startswith('UPDATE "projects_workunit"') for s in sql) == 1
 
 
+def _one_volunteers_waiting(project: Project, user: User, count: int, trust: int) -> list[Result]:
+    """`count` results of one volunteer whose run of valid results is `trust`, none drawn for a check."""
+    Project.objects.filter(pk=project.pk).update(batch_size=10, round_samples=10 * count + 10)
+    WorkUnit.objects.filter(project=project).delete()
+    lifecycle.work_units_feed(project_id=project.pk)
+    results = [assign(user) for _ in range(count)]
+    WorkUnit.objects.filter(project=project).update(spot_check=False)
+    Volunteer.objects.filter(user=user).update(consecutive_valid=trust)
+    with mock.patch("projects.notify.result_received"):
+        assert all(receive(user, r).status == "pending" for r in results)
+    return results
+
+
+def test_a_batch_reads_trust_from_the_rows_it_locked_and_keeps_it_in_step(
+    mlp_project: Project, volunteer_user: User
+) -> None:
+    """Each result read its volunteer's row again for trust: now the batch's locked rows, counted on by each
+    valid verdict. One short of trusted, the first result is checked and the next ones are not."""
+    threshold = mlp_project.trust_threshold
+    results = _one_volunteers_waiting(mlp_project, volunteer_user, 3, trust=threshold - 1)
+    with CaptureQueriesContext(connection) as queries:
+        assert tasks.validate_result(results[0].pk) == 3
+    sql = [q["sql"] for q in queries.captured_queries if q["sql"].startswith('SELECT "workers_volunteer"')]
+    assert not [s for s in sql if '"workers_volunteer"."user_id" = ' in s]  # the batch's reads: IN (...)
+    assert [(judged(r).validation, judged(r).spot_checked) for r in results] == [
+        ("valid", True),
+        ("valid", False),
+        ("valid", False),
+    ]
+    assert Volunteer.objects.get(user=volunteer_user).consecutive_valid == threshold + 2
+
+
+def test_an_invalid_verdict_in_a_batch_takes_trust_away_from_the_next_result(
+    mlp_project: Project, volunteer_user: User, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    results = _one_volunteers_waiting(mlp_project, volunteer_user, 3, trust=mlp_project.trust_threshold + 5)
+    own_problem = validation._own_problem
+
+    def crafted(result: Result) -> tuple[str | None, Any]:
+        return ("crafted", None) if result.pk == results[1].pk else own_problem(result)
+
+    monkeypatch.setattr(validation, "_own_problem", crafted)
+    assert tasks.validate_result(results[0].pk) == 3
+    assert [(judged(r).validation, judged(r).spot_checked) for r in results] == [
+        ("valid", False),
+        ("invalid", False),
+        ("valid", True),
+    ]
+
+
 def test_error_feedbacks_allowance_counts_a_valid_verdict_earlier_in_the_same_batch(
     mlp_project: Project, volunteer_user: User, monkeypatch: pytest.MonkeyPatch
 ) -> None:
