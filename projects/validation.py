@@ -120,6 +120,15 @@ CARRIED_ALIGNMENT = 0.03
 # draws, std 0.013); the honest small units measured for CARRIED: cosine 0.123 at least.
 NOISE_COSINE = 0.1
 NORM_OUTLIER_FACTOR = 10.0
+# A mean over a few samples spreads far wider than one over many: one misclassified sample's gradient is most
+# of it. Honest simulated volunteers on the MNIST MLP demo (benchmarks.server.throughput at 8 and then 256
+# volunteers, where a sync round of 256 samples gave each volunteer 2-6) had norms whose 99th percentile was
+# 2.4x their median in units of 32 samples, 4.6x at 9, 13.5x at 4 and 16x at 2 (17.7x at most); the medians
+# were 0.55-1.0 at every size. At 10x, 380 of 880 honest 2-sample results were refused, and each refusal
+# lowered the median of the valid history the next ones were compared with. Below this many samples a step,
+# the factor widens as 1/sqrt(samples): 40x at 2, 28x at 4. A unit's weight in its round is its samples, so
+# what a small one may carry into the aggregate stays below what a full one may.
+NORM_FULL_SAMPLES = 32
 NORM_HISTORY = 20
 REPLAY_CANDIDATES = 100
 SERVER_REFERENCE = "the server's recomputation"
@@ -530,9 +539,17 @@ def _norm_problem(*, result: Result, norm: float) -> str | None:
     recent = _norms_before(project=project)
     result.update_norm = norm
     mine = _per_step(norm, project=project, samples=result.samples)
-    if len(recent) < 5 or mine <= NORM_OUTLIER_FACTOR * median(recent):
+    factor = _outlier_factor(project=project, samples=result.samples)
+    if len(recent) < 5 or mine <= factor * median(recent):
         return None
-    return f"update norm {mine:.3g} is over {NORM_OUTLIER_FACTOR:g}x the recent median {median(recent):.3g}"
+    return f"update norm {mine:.3g} is over {factor:.3g}x the recent median {median(recent):.3g}"
+
+
+def _outlier_factor(*, project: Project, samples: int) -> float:
+    """NORM_OUTLIER_FACTOR for a step of NORM_FULL_SAMPLES samples or more; wider as 1/sqrt(samples) below
+    (a work unit's samples are the server's: its count, checked before this)."""
+    per_step = min(samples, project.local_batch_size) if project.task == "local_steps" else samples
+    return NORM_OUTLIER_FACTOR * math.sqrt(max(1.0, NORM_FULL_SAMPLES / max(1, per_step)))
 
 
 def _per_step(norm: float, *, project: Project, samples: int) -> float:

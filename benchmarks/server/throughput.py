@@ -12,7 +12,9 @@ same stack. Per N, after a warm-up, over a window of --seconds:
 - CPU seconds per unit of daphne, the worker, the validator, beat, the PostgreSQL backends of the stack's
   database and the volunteers' own process (psutil);
 - database time per unit: pg_stat_database.active_time (time the stack's backends spent executing);
-- deadlocks: the pg_stat_database.deadlocks delta.
+- deadlocks: the pg_stat_database.deadlocks delta;
+- invalid: verdicts against honest volunteers (every simulated volunteer is honest: each one is a check
+  refusing honest work).
 
 Volunteers hold the dataset's shards already (immutable blobs a browser keeps) and are trusted (their streak
 of valid results set past the project's threshold once they are connected), so spot checks run at the
@@ -205,6 +207,7 @@ class Snapshot:
     at: float
     assigned: int
     validated: int
+    invalid: int
     versions: int
     active_ms: float
     deadlocks: int
@@ -223,7 +226,8 @@ def snapshot(stack: TreeStack, project_id: int) -> Snapshot:
     name = stack.database_url.rsplit("/", 1)[1]
     with psycopg.connect(stack.database_url, autocommit=True) as conn:
         counts = conn.execute(
-            "SELECT count(*), count(*) FILTER (WHERE r.validation <> 'pending') FROM projects_result r "
+            "SELECT count(*), count(*) FILTER (WHERE r.validation <> 'pending'), "
+            "count(*) FILTER (WHERE r.validation = 'invalid') FROM projects_result r "
             "JOIN projects_workunit w ON w.id = r.work_unit_id WHERE w.project_id = %s",
             (project_id,),
         ).fetchone()
@@ -240,7 +244,9 @@ def snapshot(stack: TreeStack, project_id: int) -> Snapshot:
     cpu = {p: process_cpu(stack.processes[p].pid) for p in PROCESSES}
     cpu.update({f"pg:{pid}": process_cpu(pid) for pid in backends})
     cpu["volunteers"] = process_cpu(os.getpid())
-    return Snapshot(time.monotonic(), counts[0], counts[1], versions[0], float(db[0]), db[1], db[2], cpu)
+    return Snapshot(
+        time.monotonic(), counts[0], counts[1], counts[2], versions[0], float(db[0]), db[1], db[2], cpu
+    )
 
 
 def window(a: Snapshot, b: Snapshot) -> dict[str, Any]:
@@ -262,6 +268,7 @@ def window(a: Snapshot, b: Snapshot) -> dict[str, Any]:
         "db_active_ms_per_unit": round((b.active_ms - a.active_ms) / units, 3),
         "commits_per_unit": round((b.commits - a.commits) / units, 2),
         "deadlocks": b.deadlocks - a.deadlocks,
+        "invalid": b.invalid - a.invalid,
     }
 
 
@@ -462,7 +469,7 @@ def drop_database(url: str) -> None:
 def table(result: dict[str, Any]) -> str:
     head = (
         f"{'tree':<7}{'N':>5}{'assign/s':>10}{'valid/s':>9}{'server ms/u':>12}{'daphne':>8}{'worker':>8}"
-        f"{'valid.':>8}{'pg':>7}{'vols':>7}{'db ms/u':>9}{'deadl.':>7}"
+        f"{'valid.':>8}{'pg':>7}{'vols':>7}{'db ms/u':>9}{'deadl.':>7}{'invalid':>8}"
     )
     lines = [
         "Work-unit throughput, MNIST MLP demo, fast simulated volunteers (CPU ms per validated unit)",
@@ -475,6 +482,7 @@ def table(result: dict[str, Any]) -> str:
                 f"{label:<7}{r['volunteers']:>5}{r['assigned_per_s']:>10}{r['validated_per_s']:>9}"
                 f"{r['server_cpu_ms_per_unit']:>12}{c['web']:>8}{c['worker']:>8}{c['validator']:>8}"
                 f"{c['postgres']:>7}{c['volunteers']:>7}{r['db_active_ms_per_unit']:>9}{r['deadlocks']:>7}"
+                f"{r.get('invalid', '-'):>8}"
             )
     return "\n".join(lines)
 
