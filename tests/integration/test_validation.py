@@ -149,7 +149,14 @@ def test_local_steps_norms_are_compared_per_step(
 
 @pytest.mark.parametrize(
     ("samples", "ratio", "refused"),
-    [(32, 11.0, True), (64, 11.0, True), (2, 18.0, False), (2, 45.0, True), (4, 14.0, False), (4, 30.0, True)],
+    [
+        (32, 11.0, True),
+        (64, 11.0, True),
+        (2, 18.0, False),
+        (2, 45.0, True),
+        (4, 14.0, False),
+        (4, 30.0, True),
+    ],
 )
 def test_the_norm_check_widens_for_units_of_a_few_samples(
     mlp_project: Project, volunteer_user: User, samples: int, ratio: float, refused: bool
