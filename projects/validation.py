@@ -121,13 +121,14 @@ CARRIED_ALIGNMENT = 0.03
 NOISE_COSINE = 0.1
 NORM_OUTLIER_FACTOR = 10.0
 # A mean over a few samples spreads far wider than one over many: one misclassified sample's gradient is most
-# of it. Honest simulated volunteers on the MNIST MLP demo (benchmarks.server.throughput at 8 and then 256
-# volunteers, where a sync round of 256 samples gave each volunteer 2-6) had norms whose 99th percentile was
-# 2.4x their median in units of 32 samples, 4.6x at 9, 13.5x at 4 and 16x at 2 (17.7x at most); the medians
-# were 0.55-1.0 at every size. At 10x, 380 of 880 honest 2-sample results were refused, and each refusal
-# lowered the median of the valid history the next ones were compared with. Below this many samples a step,
-# the factor widens as 1/sqrt(samples): 40x at 2, 28x at 4. A unit's weight in its round is its samples, so
-# what a small one may carry into the aggregate stays below what a full one may.
+# of it, and a well classified one's is almost nothing. Honest simulated volunteers on the MNIST MLP demo
+# (benchmarks.server.throughput at 8 and then 256 volunteers, where a sync round of 256 samples gave each
+# volunteer 2-6) had norms whose 90th percentile was 1.6x their median in units of 32 samples, 13x at 2, and
+# at most 73x at 2 (20.2 against 0.28); at a flat 10x, 380 of 880 honest 2-sample results were refused, each
+# refusal lowering the median of the valid history the next ones were compared with, and a refused slice
+# resent was refused again. Widening as 1/sqrt(samples) still refused 108 in 40 s. So below this many
+# samples a step the check bounds what a unit can move its round by, its samples x its norm (the round's
+# weights), as a unit of this many at 10x: 160x at 2, 80x at 4.
 NORM_FULL_SAMPLES = 32
 NORM_HISTORY = 20
 REPLAY_CANDIDATES = 100
@@ -546,10 +547,10 @@ def _norm_problem(*, result: Result, norm: float) -> str | None:
 
 
 def _outlier_factor(*, project: Project, samples: int) -> float:
-    """NORM_OUTLIER_FACTOR for a step of NORM_FULL_SAMPLES samples or more; wider as 1/sqrt(samples) below
-    (a work unit's samples are the server's: its count, checked before this)."""
+    """NORM_OUTLIER_FACTOR for a step of NORM_FULL_SAMPLES samples or more; wider as 1/samples below (a work
+    unit's samples are the server's: its count, checked before this)."""
     per_step = min(samples, project.local_batch_size) if project.task == "local_steps" else samples
-    return NORM_OUTLIER_FACTOR * math.sqrt(max(1.0, NORM_FULL_SAMPLES / max(1, per_step)))
+    return NORM_OUTLIER_FACTOR * max(1.0, NORM_FULL_SAMPLES / max(1, per_step))
 
 
 def _per_step(norm: float, *, project: Project, samples: int) -> float:
