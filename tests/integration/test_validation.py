@@ -108,18 +108,24 @@ def test_trusted_volunteers_skip_spot_checks_but_not_the_norm_check(
     assert receive(volunteer_user, honest).status == "valid"
     assert not judged(honest).spot_checked
     Result.objects.filter(pk=honest.pk).update(update_norm=1e-3)
-    for index in range(4):  # a history of small updates
-        Result.objects.create(
-            work_unit=honest.work_unit,
-            volunteer=User.objects.create_user(f"h{index}"),
-            deadline=honest.deadline,
-            status=Result.Status.RECEIVED,
-            validation=Result.Validation.VALID,
-            update_norm=1e-3,
-        )
+    _norm_history(honest, norm=1e-3, count=4)  # a history of small updates
     scaled = assign(volunteer_user)
     outcome = receive(volunteer_user, scaled, tampered(scaled.work_unit, "scaled"))
     assert outcome.status == "invalid" and "norm" in outcome.reason
+
+
+def _norm_history(unit: Result, *, norm: float, samples: int = 0, count: int = 5) -> None:
+    """`count` valid results of other volunteers on `unit`'s work unit: the project's recent norms."""
+    for index in range(count):
+        Result.objects.create(
+            work_unit=unit.work_unit,
+            volunteer=User.objects.create_user(f"history-{index}"),
+            deadline=unit.deadline,
+            status=Result.Status.RECEIVED,
+            validation=Result.Validation.VALID,
+            update_norm=norm,
+            samples=samples,
+        )
 
 
 @pytest.mark.parametrize("mode", ["averaging", "sync_sgd"])
@@ -130,16 +136,7 @@ def test_local_steps_norms_are_compared_per_step(
     delta than a slow one's of 2, and is no outlier for it; a scaled update still is. Gradients are means."""
     Project.objects.filter(pk=mlp_project.pk).update(mode=mode, local_batch_size=64)
     unit = assign(volunteer_user)
-    for index in range(5):  # small units of 2 local steps
-        Result.objects.create(
-            work_unit=unit.work_unit,
-            volunteer=User.objects.create_user(f"slow{index}"),
-            deadline=unit.deadline,
-            status=Result.Status.RECEIVED,
-            validation=Result.Validation.VALID,
-            update_norm=0.1,
-            samples=128,
-        )
+    _norm_history(unit, norm=0.1, samples=128)  # small units of 2 local steps
     unit.work_unit.project.refresh_from_db()
     unit.samples = 6400  # 100 local steps: 1.6 is 0.016 a step, against 0.05
     assert (validation._norm_problem(result=unit, norm=1.6) is None) is (mode == "averaging")
@@ -165,16 +162,7 @@ def test_the_norm_check_widens_for_units_of_a_few_samples(
     NORM_FULL_SAMPLES): at 10x, honest volunteers were refused. What a unit can move its round by (samples x
     norm) stays bounded as a full unit's at 10x."""
     unit = assign(volunteer_user)
-    for index in range(5):
-        Result.objects.create(
-            work_unit=unit.work_unit,
-            volunteer=User.objects.create_user(f"h{index}"),
-            deadline=unit.deadline,
-            status=Result.Status.RECEIVED,
-            validation=Result.Validation.VALID,
-            update_norm=1.0,
-            samples=32,
-        )
+    _norm_history(unit, norm=1.0, samples=32)
     unit.samples = samples
     assert (validation._norm_problem(result=unit, norm=ratio) is not None) is refused
 
