@@ -301,7 +301,8 @@ class _Batch:
         return None if device is None else self.todays[device.pk]
 
     def write(self) -> None:
-        """Three statements for the sends so far, where each took three (issue 15)."""
+        """The sends so far in three statements (work units, devices' days, new instances), where each send
+        took three of its own (issue 15)."""
         if not self.unwritten:
             return
         units = {result.work_unit_id: result.work_unit for result in self.unwritten}

@@ -61,7 +61,7 @@ def limits_for(
     memory = None if not memory_mb else int(memory_mb * MB * MEMORY_SHARE)
     if device is None:
         return Limits(work_unit_bytes=preferences.max_work_unit_bytes(), memory_bytes=memory)
-    today = today if today is not None and today.device_id == device.pk else _today(device_id=device.pk)
+    today = _locked_today(device=device, today=today)
     allowance = preferences.max_download_bytes()
     return Limits(
         work_unit_bytes=preferences.max_work_unit_bytes(),
@@ -142,7 +142,7 @@ def _model_memory(sha256: str) -> tuple[int, int]:
 def download_record(*, device: Device, work_unit: WorkUnit, today: DeviceDownload | None = None) -> None:
     """Count `work_unit`'s download against the device's day (inside the sending transaction). `today`: the
     device's row of today as limits_for locked it in this transaction (read again if not given)."""
-    today = today if today is not None and today.device_id == device.pk else _today(device_id=device.pk)
+    today = _locked_today(device=device, today=today)
     download_count(today=today, work_unit=work_unit)
     today.save(update_fields=DOWNLOAD_FIELDS)
 
@@ -195,3 +195,8 @@ def todays_lock(*, device_ids: Collection[int]) -> dict[int, DeviceDownload]:
 
 def _today(*, device_id: int) -> DeviceDownload:
     return todays_lock(device_ids=[device_id])[device_id]
+
+
+def _locked_today(*, device: Device, today: DeviceDownload | None) -> DeviceDownload:
+    """`today` if it is the device's row the caller locked, else that row, locked now."""
+    return today if today is not None and today.device_id == device.pk else _today(device_id=device.pk)
