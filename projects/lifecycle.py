@@ -133,40 +133,40 @@ def _round_plan(*, project: Project, version: ModelVersion) -> int:
     once, when first fed (version.round_target), so that volunteers joining mid-round do not hold it open."""
     if not project.crowd_rounds or project.mode == Project.Mode.ASYNC_SGD:
         return project.batch_size
-    speeds = _connected_speeds()
-    units = max(math.ceil(project.round_samples / project.batch_size), len(speeds))
+    devices = _connected_devices()
+    units = max(math.ceil(project.round_samples / project.batch_size), len(devices))
     if project.mode != Project.Mode.AVERAGING:
         # Sync keeps the researcher's round_samples as the live target, so a change mid-round still applies.
         return math.ceil(project.round_samples / units)
-    sizes = _device_units(project=project, speeds=speeds, units=units)
+    sizes = _device_units(project=project, devices=devices, units=units)
     if version.round_target is None:
         version.round_target = sum(sizes)
         version.save(update_fields=["round_target"])
     return max(sizes)
 
 
-def _device_units(*, project: Project, speeds: list[float], units: int) -> list[int]:
+def _device_units(*, project: Project, devices: list[Device], units: int) -> list[int]:
     """Samples of each of the round's `units`: one per connected device, taking target_seconds on that
-    device, so that a fleet whose speeds spread 10x finishes its round together (Hivemind's rule) instead of
-    fast devices waiting for slow ones given the median's unit. The feeder cuts units of the largest size and
-    _send gives each device the front that fits its speed. Units beyond the devices (one volunteer computes
-    several in turn) take the median device's size; with no device connected, batch_size: a speed guessed
-    for nobody planned a first round no real fleet finished before its timeout (once units could hold the
-    whole training split), whereas a small one closes at once and the next is planned for who came."""
-    sized = [max(project.batch_size, project.work_unit_samples(gflops=speed)) for speed in speeds]
+    device less the time it takes to start (Device.start_ms), so that a fleet whose speeds spread 10x
+    finishes its round together (Hivemind's rule) instead of fast devices waiting for slow ones given the
+    median's unit. The feeder cuts units of the largest size and _send gives each device the front that fits
+    its speed. Units beyond the devices (one volunteer computes several in turn) take the median device's
+    size; with no device connected, batch_size: a speed guessed for nobody planned a first round no real
+    fleet finished before its timeout (once units could hold the whole training split), whereas a small one
+    closes at once and the next is planned for who came."""
+    sized = [max(project.batch_size, _device_unit_samples(project=project, device=d, age=0)) for d in devices]
+    speeds = [device.speed_gflops() for device in devices]
     typical = max(project.batch_size, project.work_unit_samples(gflops=median(speeds))) if speeds else 0
     return sized + [max(project.batch_size, typical)] * (units - len(sized))
 
 
-def _connected_speeds() -> list[float]:
-    """The measured speed (GFLOPS) of every device connected now whose volunteer is not held back."""
+def _connected_devices() -> list[Device]:
+    """Every device connected now whose volunteer is not held back (their speeds and start times only)."""
     now = timezone.now()
     devices = Device.objects.filter(disconnected_at__isnull=True, forgotten_at__isnull=True).exclude(
         volunteer__no_work_until__gt=now
     )
-    return [
-        observed or measured or 1.0 for observed, measured in devices.values_list("observed_gflops", "gflops")
-    ]
+    return list(devices.only("observed_gflops", "gflops", "start_ms"))
 
 
 def _samples_covered(*, project: Project, version: ModelVersion) -> int:
@@ -522,11 +522,17 @@ def _deadline() -> datetime:
 
 def _device_samples(*, work_unit: WorkUnit, device: Device) -> int:
     """What the device computes in the time a unit sent now should take (Project.unit_seconds)."""
-    project = work_unit.project
     age = (timezone.now() - work_unit.version.created_at).total_seconds()
-    return project.work_unit_samples(
-        gflops=device.speed_gflops(), seconds=project.unit_seconds(round_age=age)
-    )
+    return _device_unit_samples(project=work_unit.project, device=device, age=age)
+
+
+def _device_unit_samples(*, project: Project, device: Device, age: float) -> int:
+    """What the device computes in a unit sent `age` seconds into its round: the round is that much older
+    when the device starts computing it, after its downloads. Planned from the sending alone, units that must
+    end with their round ended as late as their downloads took (up to 2.1 s at 64 volunteers, and the round
+    waited for them)."""
+    seconds = project.unit_seconds(round_age=age + device.start_seconds())
+    return project.work_unit_samples(gflops=device.speed_gflops(), seconds=seconds)
 
 
 def _instance(*, work_unit: WorkUnit, user: User, device: Device | None, deadline: datetime) -> Result:

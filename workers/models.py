@@ -154,6 +154,12 @@ class Device(RecentCredit, models.Model):
     gflops = models.FloatField(default=0.0, help_text="Measured by the browser's benchmark.")
     observed_gflops = models.FloatField(default=0.0, help_text="Server-side FLOPs / reported compute time.")
     compute_ms = models.PositiveBigIntegerField(default=0, help_text="Time spent computing accepted work.")
+    # How long its work units wait for their downloads before computing starts (an average of what its
+    # accepted results reported; a unit prefetched while another computed downloaded meanwhile, so this is
+    # an upper bound): a unit that must end with its round is planned that much shorter.
+    start_ms = models.PositiveIntegerField(
+        default=0, help_text="Observed time from a work unit's arrival to the start of its computing."
+    )
     connected_at = models.DateTimeField(default=timezone.now, help_text="Start of the latest connection.")
     disconnected_at = models.DateTimeField(null=True, blank=True)
     # The channel name of its current connection (the latest hello's): the departure of an older one noticed
@@ -205,6 +211,10 @@ class Device(RecentCredit, models.Model):
         """Observed throughput once known; the browser's own benchmark until then."""
         return self.observed_gflops or self.gflops or 1.0
 
+    def start_seconds(self) -> float:
+        """How long after a work unit is sent this device is expected to start computing it."""
+        return self.start_ms / 1000
+
     def forget(self, *, now: datetime) -> None:
         """Hidden and detached from its browser: a new id with a colon (browsers' ids have none, and such ids
         do not count against MAX_DEVICES_PER_VOLUNTEER), so that browser is a new device if it comes back.
@@ -213,12 +223,14 @@ class Device(RecentCredit, models.Model):
         self.name, self.user_agent = "", ""
         self.forgotten_at = self.forgotten_at or now
 
-    def observe(self, *, flops: int, compute_ms: int) -> None:
-        """One accepted result's server-side FLOPs over its compute time. Callers bound the time by the
-        time the work was out (lifecycle.result_receive); the bounds here keep a bad value finite and
-        within the 64-bit column anyway."""
+    def observe(self, *, flops: int, compute_ms: int, download_ms: int = 0) -> None:
+        """One accepted result's server-side FLOPs over its compute time, and its time before computing.
+        Callers bound the times by the time the work was out (lifecycle.result_receive); the bounds here
+        keep a bad value finite and within the 64-bit column anyway."""
         if compute_ms <= 0 or flops <= 0:
             return
+        # Averaged from 0: a device's first units are planned as long as they were before it was measured.
+        self.start_ms = round(0.7 * self.start_ms + 0.3 * min(max(0, download_ms), MAX_OBSERVED_MS))
         compute_ms = min(compute_ms, MAX_OBSERVED_MS)
         measured = min(flops, MAX_BIGINT) / (compute_ms * 1e6)
         # An exponential average: recent work units count most, one odd sample does not swing sizing.

@@ -124,7 +124,8 @@ def _entry(*, grant: Grant, volunteer: Volunteer, team: Team | None) -> CreditEn
 
 def _observe(*, device: Device | None, grant: Grant) -> None:
     if device is not None:
-        device.observe(flops=grant.flops, compute_ms=grant.result.compute_ms)
+        result = grant.result
+        device.observe(flops=grant.flops, compute_ms=result.compute_ms, download_ms=result.download_ms)
 
 
 Credited = Volunteer | Team | Device | VolunteerProjectCredit | TeamProjectCredit
@@ -198,7 +199,7 @@ def _write_totals(
     bulk_write(list(volunteers.values()), [*fields, "results_accepted"])
     bulk_write(list(mine.values()), [*fields, "results"])
     bulk_write(list(teams.values()), fields)
-    bulk_write(list(devices.values()), [*fields, "observed_gflops", "compute_ms"])
+    bulk_write(list(devices.values()), [*fields, "observed_gflops", "compute_ms", "start_ms"])
     bulk_write(list(ours.values()), fields)
 
 

@@ -16,6 +16,7 @@ than size * 8 / bandwidth + latency. Byzantine behaviours tamper with the update
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import hashlib
 import http.client
@@ -234,8 +235,16 @@ class Link:
             await asyncio.sleep(remaining)
 
 
+# The threads transfers run in: their own, not the event loop's default executor, which a load test may give
+# the volunteers' computing at the lowest CPU priority (benchmarks/scaling emulation.device_pool). There, 64
+# volunteers' downloads waited behind other volunteers' training in those threads: those sent their unit half
+# a second into a round started it up to 1.7 s later (200 ms for the first few), and the round waited for
+# them. A browser's download does not wait for another device's computing.
+_TRANSFERS = concurrent.futures.ThreadPoolExecutor(max_workers=32, thread_name_prefix="simulator-http")
+
+
 class Http:
-    """Blocking urllib with a cookie jar, run in threads so the event loop never waits on it."""
+    """Blocking urllib with a cookie jar, run in threads (_TRANSFERS) so the event loop never waits on it."""
 
     def __init__(self, base_url: str) -> None:
         self.base_url = base_url.rstrip("/")
@@ -243,7 +252,7 @@ class Http:
         self.opener = urllib.request.build_opener(urllib.request.HTTPCookieProcessor(self.cookies))
 
     async def request(self, path: str, form: dict[str, str] | None = None) -> bytes:
-        return await asyncio.to_thread(self._request, path, form)
+        return await asyncio.get_running_loop().run_in_executor(_TRANSFERS, self._request, path, form)
 
     def _request(self, path: str, form: dict[str, str] | None) -> bytes:
         url = path if path.startswith("http") else self.base_url + path

@@ -338,6 +338,8 @@ HETERO_HEAD = (
     "efficiency",
     "busy median",
     "busy p10",
+    "round s",
+    "start p90 ms",
     "left/joined",
     "real>emu",
     "load",
@@ -346,6 +348,7 @@ HETERO_HEAD = (
 
 def _hetero_cells(r: Row) -> tuple[str, ...]:
     base, busy, churn = r["baseline"], r["busy"], r["churn"]["done"]
+    rounds = r.get("rounds") or {}  # runs before rounds were measured have none
     return (
         r["method"],
         str(r["volunteers"]),
@@ -359,10 +362,16 @@ def _hetero_cells(r: Row) -> tuple[str, ...]:
         f"{base['efficiency']:.2f}" if base["speedup"] else "-",
         f"{busy['busy_median']:.1%}" if busy["busy_median"] is not None else "-",
         f"{busy['busy_p10']:.1%}" if busy["busy_p10"] is not None else "-",
+        _cell(rounds.get("seconds_median"), "{:.2f}"),
+        _cell(rounds.get("start_ms_p90_median"), "{:.0f}"),
         f"{sum('left_s' in e for e in churn)}/{sum('joined_s' in e for e in churn)}",
         f"{r['compute_real_over_emulated']}/{r['work_units_all']}",
         f"{r['load_average_before']:.1f}",
     )
+
+
+def _cell(value: float | None, form: str) -> str:
+    return "-" if value is None else form.format(value)
 
 
 def print_heterogeneous(rows: list[Row]) -> None:

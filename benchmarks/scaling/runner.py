@@ -244,6 +244,39 @@ class Evaluator:
         return dict(rows)
 
 
+def round_timeline(conn: psycopg.Connection[Any], project_id: int) -> list[dict[str, float]]:
+    """Each round after the first (version 2 on) that a next version closed: its length, and how long its
+    devices took from their unit's sending to computing (Result.download_ms of the units sent in the round's
+    first ROUND_START_S). A round longer than target_seconds is devices waiting."""
+    rows = conn.execute(ROUNDS_SQL, {"project": project_id, "start": ROUND_START_S}).fetchall()
+    return [
+        {
+            "version": int(n),
+            "seconds": round(float(s), 2),
+            "start_ms_p50": float(p50),
+            "start_ms_p90": float(p90),
+        }
+        for n, s, p50, p90 in rows
+        if s is not None and p50 is not None and n >= 2
+    ]
+
+
+ROUND_START_S = 5.0
+ROUNDS_SQL = """
+SELECT v.number,
+       extract(epoch FROM lead(v.created_at) OVER (ORDER BY v.number) - v.created_at),
+       percentile_cont(0.5) WITHIN GROUP (ORDER BY r.download_ms),
+       percentile_cont(0.9) WITHIN GROUP (ORDER BY r.download_ms)
+FROM projects_modelversion v
+LEFT JOIN projects_workunit w ON w.version_id = v.id
+LEFT JOIN projects_result r ON r.work_unit_id = w.id AND r.received_at IS NOT NULL
+     AND r.sent_at < v.created_at + make_interval(secs => %(start)s)
+WHERE v.project_id = %(project)s
+GROUP BY v.number, v.created_at
+ORDER BY v.number
+"""
+
+
 # --- the race to the target ------------------------------------------------------------------------------
 
 
@@ -396,6 +429,7 @@ class Measured:
     history: list[dict[str, float]]
     outcomes: dict[str, int]
     reasons: dict[str, int]
+    rounds: list[dict[str, float]] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -435,7 +469,9 @@ def measure(stack: ScalingStack, method: Method, run: Plan, emulation: Emulation
         reasons = evaluator.outcomes(
             "r.validation || '/' || r.status || ': ' || left(r.reason, 100)", "AND r.reason <> ''"
         )
-        return Measured(race, setup_s, evaluator.history, outcomes, reasons)
+        return Measured(
+            race, setup_s, evaluator.history, outcomes, reasons, round_timeline(conn, control.project_id)
+        )
 
 
 def run_one(options: Options, emulation: Emulation, method_key: str, n: int) -> dict[str, Any]:
@@ -458,6 +494,7 @@ def run_one(options: Options, emulation: Emulation, method_key: str, n: int) -> 
     row.update(accuracy_curve=accuracy_curve(measured), bytes_per_sample=bytes_per_sample(row))
     if options.heterogeneous:
         row.update(heterogeneous_row(run, measured.race, row, options, emulation))
+        row.update(rounds=rounds_summary(measured.rounds))
     if not os.environ.get("SCALING_KEEP_DATABASES"):  # keep them to study a run's timeline in SQL
         stack.drop()
     return row
@@ -527,6 +564,20 @@ def heterogeneous_row(
         },
         "busy": busy(race),
         "baseline": baseline(row, mean, emulation.calibration["flops_per_sample"]),
+    }
+
+
+def rounds_summary(rounds: list[dict[str, float]]) -> dict[str, Any]:
+    """The medians over the rounds of their length and their devices' time to start (Evaluator.rounds)."""
+
+    def middle(key: str) -> float | None:
+        return round(statistics.median(r[key] for r in rounds), 2) if rounds else None
+
+    return {
+        "seconds_median": middle("seconds"),
+        "start_ms_p50_median": middle("start_ms_p50"),
+        "start_ms_p90_median": middle("start_ms_p90"),
+        "each": rounds,
     }
 
 

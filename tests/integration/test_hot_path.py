@@ -221,6 +221,38 @@ def test_a_crowd_averaging_unit_ends_with_the_rounds_target_seconds(
     assert fits[0] <= result.work_unit.count <= fits[1]
 
 
+@pytest.mark.parametrize(
+    ("age", "start_ms", "seconds"), [(0, 0, 40), (0, 5000, 35), (10, 10000, 20), (0, 60000, 10)]
+)
+def test_a_crowd_averaging_unit_leaves_the_device_the_time_its_downloads_take(
+    mlp_project: Project, age: int, start_ms: int, seconds: int
+) -> None:
+    """A device that starts computing `start_ms` after its unit is sent (Device.start_ms, observed) gets a
+    unit that still ends with the round's 40 s: planned from the sending alone, units ended as late as their
+    downloads took, and the round waited for them. The round's plan counts it too."""
+    Project.objects.filter(pk=mlp_project.pk).update(
+        mode="averaging", batch_size=10, round_samples=10, crowd_rounds=True, target_seconds=40
+    )
+    WorkUnit.objects.filter(project=mlp_project).delete()
+    project = Project.objects.get(pk=mlp_project.pk)
+    user = User.objects.create_user("downloading")
+    gflops = 20.5 * project.flops_per_sample / 1e9  # 20 samples a second
+    device = device_register(
+        user=user, client_id="browser-slow-link", backend="wasm", gflops=gflops, user_agent=""
+    )
+    type(device).objects.filter(pk=device.pk).update(start_ms=start_ms)
+    lifecycle.work_units_feed(project_id=project.pk)
+    planned = project.work_unit_samples(gflops=gflops, seconds=max(10, 40 - start_ms / 1000))
+    assert project.current_version().round_target == planned
+    ModelVersion.objects.filter(pk=project.current_version().pk).update(
+        created_at=timezone.now() - timedelta(seconds=age)
+    )
+    result = lifecycle.work_unit_assign(user=user, device=user.volunteer.devices.get())
+    assert result is not None
+    fits = [project.work_unit_samples(gflops=gflops, seconds=s) for s in (seconds - 1, seconds)]
+    assert fits[0] <= result.work_unit.count <= fits[1]
+
+
 @pytest.mark.parametrize("crowd", [False, True])
 def test_a_crowd_averaging_round_closes_at_nine_tenths_of_its_plan(mlp_project: Project, crowd: bool) -> None:
     """Its units end together by design; the last tenth (late starters, a leaver's unit sent again) would

@@ -21,7 +21,7 @@ from projects.models import Project, Result
 from tests.workers.conftest import accepted_result, days, device_of, grant, user
 from workers.credit import credit_from_flops, update_average
 from workers.models import CreditEntry, Device, Team, TeamProjectCredit, Volunteer, VolunteerProjectCredit
-from workers.services import credit_grant, credit_lock
+from workers.services import Grant, credit_grant, credit_lock, credits_grant
 from workers.teams import team_create, team_join, team_leave
 
 GFLOP = 10**9
@@ -235,8 +235,6 @@ def test_a_batchs_bulk_grant_writes_what_the_same_grants_one_by_one_write(
 ) -> None:
     """credits_grant (a validation batch's ledger) against credit_grant and Device.observe per result: one
     volunteer in a team with two results in one project and one in another on a device, another alone."""
-    from workers.services import Grant, credits_grant
-
     team_create(user=volunteer_user, name="Batched")
     device = device_of(volunteer_user)
     plan = [
@@ -276,3 +274,23 @@ def test_a_batchs_bulk_grant_writes_what_the_same_grants_one_by_one_write(
             one.observe(flops=gf * GFLOP, compute_ms=400)
             one.save()
     assert _credit_rows([volunteer_user, other_volunteer]) == bulk
+
+
+def test_grants_keep_an_average_of_how_long_the_device_takes_to_start_its_units(
+    mlp_project: Project, volunteer_user: User
+) -> None:
+    """What planning a unit that ends with its round needs (lifecycle._device_unit_samples): the client's
+    word for its downloads, bounded by the time the unit was out when it arrived, and averaged."""
+    device = device_of(volunteer_user)
+    reported = [2000, 2000, -5, 2**40]  # the last two out of any column's range: kept in range here too
+    for download_ms in reported:
+        result = accepted_result(mlp_project, volunteer_user, device=device)
+        result.compute_ms, result.download_ms = 400, download_ms
+        with transaction.atomic():
+            credit_lock(user_ids=[volunteer_user.pk])
+            credits_grant(grants=[Grant(result=result, flops=GFLOP)])
+        device.refresh_from_db()
+        if download_ms == 2000:
+            assert device.start_ms in (600, 1020)  # 0.3 of the first, then 0.7 x 600 + 0.3 x 2000
+    assert device.start_ms == round(0.7 * round(0.7 * 1020) + 0.3 * (2**31 - 1))
+    assert device.start_seconds() == device.start_ms / 1000
