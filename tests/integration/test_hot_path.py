@@ -194,51 +194,28 @@ def test_crowd_averaging_sizes_each_unit_for_its_own_device(mlp_project: Project
     assert mlp_project.current_version().round_target == sum(sizes)
 
 
-@pytest.mark.parametrize(("age", "seconds"), [(0, 40), (10, 30), (35, 10), (50, 10)])
+@pytest.mark.parametrize(
+    ("age", "start_ms", "seconds"),
+    [(0, 0, 40), (10, 0, 30), (35, 0, 10), (50, 0, 10), (0, 5000, 35), (10, 10000, 20), (0, 60000, 10)],
+)
 def test_a_crowd_averaging_unit_ends_with_the_rounds_target_seconds(
-    mlp_project: Project, age: int, seconds: int
+    mlp_project: Project, age: int, start_ms: int, seconds: int
 ) -> None:
     """A device asking `age` seconds into a round gets what is left of its 40 s (at least 10 s), so that one
     that started late or came back for more finishes with the others; past them the round is late, and
-    what is left goes out in units of 10 s, not whole ones that would hold the round another 40 s."""
+    what is left goes out in units of 10 s, not whole ones that would hold the round another 40 s. A device
+    that starts computing `start_ms` after its unit is sent (Device.start_ms, observed) gets that much less:
+    planned from the sending alone, units ended as late as their downloads took, and the round waited for
+    them. The round's plan counts it too."""
     Project.objects.filter(pk=mlp_project.pk).update(
         mode="averaging", batch_size=10, round_samples=10, crowd_rounds=True, target_seconds=40
     )
     WorkUnit.objects.filter(project=mlp_project).delete()
     project = Project.objects.get(pk=mlp_project.pk)
-    fps = project.flops_per_sample
     user = User.objects.create_user("late")
-    gflops = 20.5 * fps / 1e9  # 20 samples a second: 800 in 40 s (the digits' shard has 1,000)
-    device_register(user=user, client_id="browser-late", backend="wasm", gflops=gflops, user_agent="")
-    lifecycle.work_units_feed(project_id=project.pk)
-    ModelVersion.objects.filter(pk=project.current_version().pk).update(
-        created_at=timezone.now() - timedelta(seconds=age)
-    )
-    result = lifecycle.work_unit_assign(user=user, device=user.volunteer.devices.get())
-    assert result is not None
-    # (the second the test itself takes)
-    fits = [project.work_unit_samples(gflops=gflops, seconds=s) for s in (seconds - 1, seconds)]
-    assert fits[0] <= result.work_unit.count <= fits[1]
-
-
-@pytest.mark.parametrize(
-    ("age", "start_ms", "seconds"), [(0, 0, 40), (0, 5000, 35), (10, 10000, 20), (0, 60000, 10)]
-)
-def test_a_crowd_averaging_unit_leaves_the_device_the_time_its_downloads_take(
-    mlp_project: Project, age: int, start_ms: int, seconds: int
-) -> None:
-    """A device that starts computing `start_ms` after its unit is sent (Device.start_ms, observed) gets a
-    unit that still ends with the round's 40 s: planned from the sending alone, units ended as late as their
-    downloads took, and the round waited for them. The round's plan counts it too."""
-    Project.objects.filter(pk=mlp_project.pk).update(
-        mode="averaging", batch_size=10, round_samples=10, crowd_rounds=True, target_seconds=40
-    )
-    WorkUnit.objects.filter(project=mlp_project).delete()
-    project = Project.objects.get(pk=mlp_project.pk)
-    user = User.objects.create_user("downloading")
-    gflops = 20.5 * project.flops_per_sample / 1e9  # 20 samples a second
+    gflops = 20.5 * project.flops_per_sample / 1e9  # 20 samples a second: 800 in 40 s (the shard has 1,000)
     device = device_register(
-        user=user, client_id="browser-slow-link", backend="wasm", gflops=gflops, user_agent=""
+        user=user, client_id="browser-late", backend="wasm", gflops=gflops, user_agent=""
     )
     type(device).objects.filter(pk=device.pk).update(start_ms=start_ms)
     lifecycle.work_units_feed(project_id=project.pk)
@@ -249,6 +226,7 @@ def test_a_crowd_averaging_unit_leaves_the_device_the_time_its_downloads_take(
     )
     result = lifecycle.work_unit_assign(user=user, device=user.volunteer.devices.get())
     assert result is not None
+    # (the second the test itself takes)
     fits = [project.work_unit_samples(gflops=gflops, seconds=s) for s in (seconds - 1, seconds)]
     assert fits[0] <= result.work_unit.count <= fits[1]
 
