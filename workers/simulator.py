@@ -236,10 +236,9 @@ class Link:
 
 
 # The threads transfers run in: their own, not the event loop's default executor, which a load test may give
-# the volunteers' computing at the lowest CPU priority (benchmarks/scaling emulation.device_pool). There, 64
-# volunteers' downloads waited behind other volunteers' training in those threads: those sent their unit half
-# a second into a round started it up to 1.7 s later (200 ms for the first few), and the round waited for
-# them. A browser's download does not wait for another device's computing.
+# the volunteers' computing at the lowest CPU priority (benchmarks/scaling emulation.device_pool). There, a
+# volunteer's download could wait for a thread behind other volunteers' training; a browser's download does
+# not wait for another device's computing.
 _TRANSFERS = concurrent.futures.ThreadPoolExecutor(max_workers=32, thread_name_prefix="simulator-http")
 
 

@@ -568,7 +568,7 @@ def heterogeneous_row(
 
 
 def rounds_summary(rounds: list[dict[str, float]]) -> dict[str, Any]:
-    """The medians over the rounds of their length and their devices' time to start (Evaluator.rounds)."""
+    """The medians over the rounds of their length and their devices' time to start (round_timeline)."""
 
     def middle(key: str) -> float | None:
         return round(statistics.median(r[key] for r in rounds), 2) if rounds else None
