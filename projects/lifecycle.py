@@ -280,6 +280,7 @@ class _Batch:
     units: dict[int, WorkUnit]
     complete: bool  # every open unit nobody else has locked is listed: what is not here, no search finds
     held: set[tuple[int, int]]  # (work unit, volunteer)
+    computing: set[tuple[int, int]]  # (device, version): a round it computes a unit of (_computing)
     charges: dict[int, int]  # flops sent per project, charged once at the end
     todays: dict[int, DeviceDownload]  # the devices' rows of today, locked (fitting.todays_lock)
     unwritten: list[Result] = field(default_factory=list)  # instances sent from the list, not created yet
@@ -364,14 +365,15 @@ def _batch_for(*, order: list[int], requests: list[OfferRequest]) -> _Batch:
     user_ids = [request.user.pk for request in requests]
     held = Result.objects.filter(work_unit__in=units, volunteer_id__in=user_ids)
     wanted = sum(unit.wanted for unit in units)
-    devices = [r.device.pk for r in requests if r.device is not None][:wanted]
+    devices = [r.device.pk for r in requests if r.device is not None]
     return _Batch(
         order=order,
         units={unit.pk: unit for unit in units},
         complete=len(units) < limit,
         held=set(held.values_list("work_unit_id", "volunteer_id")),
+        computing=_computing_rounds(units=units, device_ids=devices),
         charges={},
-        todays=fitting.todays_lock(device_ids=devices),
+        todays=fitting.todays_lock(device_ids=devices[:wanted]),
     )
 
 
@@ -434,8 +436,11 @@ def _batch_sent(*, request: OfferRequest, result: Result, batch: _Batch, split: 
 def _first_in_line(*, request: OfferRequest, batch: _Batch) -> WorkUnit | None:
     """The batch's first unit still wanted that the volunteer allows and holds no instance of; a stage unit
     first in line whatever it holds (its own rules: _new_to, swarms.py)."""
+    device_id = request.device.pk if request.device else None
     for unit in batch.units.values():
         if unit.wanted <= 0 or not request.preferences.allows(unit.project_id):
+            continue
+        if (device_id, unit.version_id) in batch.computing:
             continue
         if unit.stage_kind or (unit.pk, request.user.pk) not in batch.held:
             return unit
@@ -609,12 +614,44 @@ def _next_open_work_unit(
     return (
         _sendable()
         .filter(allowed or Q())
+        .filter(_not_computing_its_round(device_id=device_id))
         .filter(swarms.stage_units_eligible(device_id=device_id))
         .select_for_update(skip_locked=True, of=("self",), no_key=True)
         .filter(_new_to(user=user))
         .select_related(*_SENT_WITH)
         .order_by(rank, *swarms.stage_units_own_first(device_id=device_id), "version__created_at", "id")
         .first()
+    )
+
+
+def _not_computing_its_round(*, device_id: int | None) -> Q:
+    """No second unit of a round whose units end with it (Project.units_end_with_round) for a device computing
+    one: it would start when the first ends, with the round, and the round would wait for it. A browser asks
+    for its next unit as soon as it gets one (prefetch); the heterogeneous benchmark's volunteers doing so
+    made its rounds at 64 take 55 s for units of 40 s. Its `ready` is parked instead, and served once that
+    unit's result is in (VolunteerConsumer.on_tensors) or when the next round opens."""
+    if device_id is None:
+        return Q()
+    computing = _computing(device_ids=[device_id]).filter(work_unit__version=OuterRef("version"))
+    return ~Project.units_end_with_round_q("project__") | Q(~Exists(computing))
+
+
+def _computing_rounds(*, units: list[WorkUnit], device_ids: list[int]) -> set[tuple[int, int]]:
+    """(device, version) for each of the units' rounds that end with them which a device computes a unit of:
+    no query unless the units have such a round."""
+    versions = {unit.version_id for unit in units if unit.project.units_end_with_round}
+    if not versions or not device_ids:
+        return set()
+    computing = _computing(device_ids=device_ids).filter(work_unit__version_id__in=versions)
+    return set(computing.values_list("device_id", "work_unit__version_id"))
+
+
+def _computing(*, device_ids: list[int]) -> QuerySet[Result]:
+    """The devices' instances in progress in rounds whose units end with them."""
+    return Result.objects.filter(
+        Project.units_end_with_round_q("work_unit__project__"),
+        device_id__in=device_ids,
+        status=Result.Status.IN_PROGRESS,
     )
 
 

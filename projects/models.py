@@ -12,6 +12,7 @@ from django.core.files import File
 from django.core.files.storage import storages
 from django.core.validators import MaxValueValidator, MinValueValidator
 from django.db import models
+from django.db.models import Q
 from django.urls import reverse
 from django.utils import timezone
 
@@ -355,10 +356,21 @@ class Project(models.Model):
         was left kept 32 devices waiting a second target_seconds for a few (scaling-heterogeneous: its first
         round closed 70-80 s after it opened, most devices idle from 43 s). Not when rounds overlap: a unit
         then counts in whichever round is open when it ends."""
-        ends_with_round = self.crowd_rounds and self.mode == self.Mode.AVERAGING and not self.overlap_rounds
-        if not ends_with_round:
+        if not self.units_end_with_round:
             return float(self.target_seconds)
         return max(self.target_seconds / 4, self.target_seconds - round_age)
+
+    @property
+    def units_end_with_round(self) -> bool:
+        """Does a unit sent during a round end with it (unit_seconds)? Then a device computing one has
+        nothing more to do in that round (lifecycle._not_computing_its_round)."""
+        return self.crowd_rounds and self.mode == self.Mode.AVERAGING and not self.overlap_rounds
+
+    @classmethod
+    def units_end_with_round_q(cls, prefix: str = "") -> Q:
+        """units_end_with_round as a condition on projects (`prefix`: the path to them, e.g. "project__")."""
+        fields = {"crowd_rounds": True, "mode": cls.Mode.AVERAGING, "overlap_rounds": False}
+        return Q(**{prefix + name: value for name, value in fields.items()})
 
     @property
     def max_unit_samples(self) -> int:

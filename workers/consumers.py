@@ -297,6 +297,11 @@ class VolunteerConsumer(SignallingMixin, RingMixin, AsyncWebsocketConsumer):  # 
             limits.RESULT_BYTES.give_back(len(payload))
         self.assigned.discard(meta.work_unit)
         await self.send_json(protocol.ack_message(outcome))
+        if self.waiting and not self.assigned:
+            # Its `ready` is parked and it holds nothing now: that `ready` may have been refused only while
+            # this unit was computed (a round whose units end with it sends a device one at a time:
+            # lifecycle._not_computing_its_round), and the rest of the round would not be news to anyone.
+            await self.on_ready()
 
     def _claim_pending(self, size: int) -> ResultMeta | RelayMeta:
         """The result these bytes belong to, once they fit this server's limits (then held in the budget)."""

@@ -35,7 +35,7 @@ import urllib.request
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from safetensors.numpy import load as load_shard
@@ -213,6 +213,7 @@ class Unit:
 # Called with each work unit, its real compute seconds and its emulated device seconds (a benchmark's
 # account of whether this machine kept up with the speed it emulates).
 ComputeHook = Callable[[Unit, float, float], None]
+Computed = TypeVar("Computed")
 
 
 # --- emulated network and HTTP -----------------------------------------------------------------------
@@ -434,8 +435,13 @@ class Simulator:
         config: SimulatorConfig,
         on_verdict: Callable[[int, Verdict], None] | None = None,
         on_compute: ComputeHook | None = None,
+        compute: concurrent.futures.Executor | None = None,
     ) -> None:
         self.config, self.on_verdict, self.on_compute = config, on_verdict, on_compute
+        # Where the volunteer's training runs (None: the event loop's default executor, threads). A process
+        # pool keeps it off this process's GIL, which the connections and downloads need: see
+        # benchmarks/scaling/emulation.py device_processes.
+        self.compute = compute
         self.stats = SimulatorStats(config.username)
         self.http = Http(config.url)
         self.link = Link(config.bandwidth_mbit, config.latency_ms)
@@ -541,6 +547,10 @@ class Simulator:
         if match is None:
             raise SimulatorError(f"no CSRF token on {path}")
         await self.http.request(path, {**form, "csrfmiddlewaretoken": match.group(1)})
+
+    async def computed(self, work: Callable[..., Computed], *args: Any) -> Computed:
+        """`work(*args)` run where this volunteer computes (self.compute)."""
+        return await asyncio.get_running_loop().run_in_executor(self.compute, work, *args)
 
     async def download(self, url: str) -> bytes:
         cached = self.cache.get(url)
@@ -815,7 +825,7 @@ class _Work:
         """A pipeline stage unit, always honest: attacks are data-parallel updates (see _payload)."""
         download_ms = int((time.monotonic() - started) * 1000)
         began = time.monotonic()
-        payload, loss = await asyncio.to_thread(honest_stage_result, graph, weights, self.unit, inputs)
+        payload, loss = await self.sim.computed(honest_stage_result, graph, weights, self.unit, inputs)
         compute_s = time.monotonic() - began
         self.sim.stats.compute_seconds += compute_s
         device_s = self._device_time(compute_s, flops)
@@ -851,8 +861,8 @@ class _Work:
         self, graph: Graph, weights: Tensors, x: torch.Tensor, y: torch.Tensor
     ) -> tuple[Tensors, float, float]:
         started = time.monotonic()
-        # In a thread: torch releases the GIL, so many simulated volunteers compute side by side.
-        update, loss = await asyncio.to_thread(honest_update, graph, weights, x, y, self.unit)
+        # In threads (torch releases the GIL, so simulated volunteers compute side by side) or processes.
+        update, loss = await self.sim.computed(honest_update, graph, weights, x, y, self.unit)
         seconds = time.monotonic() - started
         self.sim.stats.compute_seconds += seconds
         await self.session.send({"type": "progress", "work_unit": self.unit.id, "fraction": 1.0})

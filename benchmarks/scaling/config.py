@@ -26,6 +26,7 @@ GOAL_BYTES_4BIT = 1 / 400  # issue 15 item 6 (INTELLECT-1's reduction), for the 
 GOAL_HETERO_SPEEDUP, GOAL_HETERO_AT, GOAL_BUSY = 48.0, 64, 0.95
 CHURN_PER_HOUR = 0.2
 DEVICE_NICE = 19  # the emulated volunteers' CPU priority: the lowest (emulation.device_pool)
+DEVICE_PROCESSES = 4  # processes the emulated volunteers train in (emulation.device_processes); 0: threads
 TARGET_SECONDS = 40  # the crowd method's work units take this long on each device
 
 
@@ -140,6 +141,8 @@ class Options:
     heterogeneous: bool = False  # speeds spread 10x with churn (fleet.py), into their own results file
     churn_per_hour: float = CHURN_PER_HOUR
     device_nice: int = DEVICE_NICE
+    device_processes: int = DEVICE_PROCESSES
+    prefetch: bool = True
 
     @property
     def name(self) -> str:

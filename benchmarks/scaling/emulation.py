@@ -11,6 +11,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import json
+import multiprocessing
 import os
 import statistics
 import threading
@@ -29,7 +30,14 @@ from workers import simulator
 from workers.simulator import Simulator, SimulatorConfig, Unit
 
 from . import fleet
-from .config import DEVICE_NICE, LOCAL_MINIBATCH, SHARD_SAMPLES, TARGET_SECONDS, UNITS_PER_ROUND
+from .config import (
+    DEVICE_NICE,
+    DEVICE_PROCESSES,
+    LOCAL_MINIBATCH,
+    SHARD_SAMPLES,
+    TARGET_SECONDS,
+    UNITS_PER_ROUND,
+)
 
 Tensors = dict[str, torch.Tensor]
 
@@ -43,6 +51,8 @@ class Emulation:
     timeout: float  # seconds per run before giving up
     calibration: dict[str, float]
     device_nice: int = DEVICE_NICE  # the CPU priority of the volunteers' threads (device_pool)
+    device_processes: int = DEVICE_PROCESSES  # where they train; 0: device_pool's threads
+    prefetch: bool = True  # each asks for its next unit as soon as it gets one, as browsers do
 
 
 def emulated_gflops(capacity: float) -> float:
@@ -163,6 +173,28 @@ def _yield_cpu(nice: int) -> None:
     os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)
 
 
+def device_processes(workers: int, *, nice: int) -> concurrent.futures.ProcessPoolExecutor:
+    """Processes the emulated volunteers train in (Simulator.compute), at CPU priority `nice`, started
+    before the clock. In device_pool's threads, training held the harness's GIL between torch calls, and a
+    thread at nice 19 holding it was preempted by the server under test, so the event loop and the downloads
+    of the other volunteers waited on it: at a round's start, a 104 KB weights delta took 0.5-2 s to arrive
+    for the volunteers assigned after the first batch, against 40-100 ms for the first (README, "Where a
+    round's extra time goes"). A browser trains in a Web Worker of its own and downloads beside it."""
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(["torch", "workers.simulator"])
+    pool = concurrent.futures.ProcessPoolExecutor(
+        workers, mp_context=context, initializer=_device_process, initargs=(nice,)
+    )
+    for started in [pool.submit(time.sleep, 0.5) for _ in range(workers)]:
+        started.result()
+    return pool
+
+
+def _device_process(nice: int) -> None:
+    os.setpriority(os.PRIO_PROCESS, 0, nice)
+    torch.set_num_threads(1)  # the processes share the machine's cores with the server: one each
+
+
 # --- the shards, parsed once for all volunteers
 
 
@@ -208,8 +240,10 @@ class CountingSimulator(Simulator):
     """The simulator, with its downloads sorted by kind (weights vs graph) for the byte accounting and
     the real and emulated time of every work unit it computed."""
 
-    def __init__(self, config: SimulatorConfig, graph_url: str) -> None:
-        super().__init__(config, on_compute=self._computed)
+    def __init__(
+        self, config: SimulatorConfig, graph_url: str, compute: concurrent.futures.Executor | None = None
+    ) -> None:
+        super().__init__(config, on_compute=self._computed, compute=compute)
         self.tally, self.graph_url = Tally(), graph_url
         self.left_at: float | None = None  # when it left the run (churn), on the monotonic clock
         self.watches: set[asyncio.Task[None]] = set()  # _cut tasks

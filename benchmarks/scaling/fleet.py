@@ -9,8 +9,9 @@ interval in), each time one volunteer drawn by a seeded generator among those st
 connection mid-unit as a closed tab does (no goodbye, its work is lost) and a fresh volunteer (new account,
 new device) of the same speed joins REJOIN_SECONDS later.
 
-Busy fraction: a device's emulated compute time (each unit's device seconds) over its wall time at steady
-state, from the start of its first unit to the end of the run or its departure.
+Busy fraction: a device's emulated compute time (each unit's device seconds) over its wall time, from the
+start of its first unit to the end of the run or its departure; and at steady state, from the first round
+planned for the whole fleet on (runner.STEADY_VERSION), without the first round's sign-in.
 """
 
 from __future__ import annotations
@@ -52,17 +53,21 @@ def churn(n: int, rate_per_hour: float, horizon_s: float, seed: int = 0) -> list
     return out
 
 
-def busy_fraction(intervals: list[tuple[float, float]], end: float) -> float | None:
-    """Computing time over wall time from the first unit's start to `end` (intervals: (start, stop) of each
-    unit's emulated computation, clipped at `end`, and at the next unit's start: a unit cancelled mid-way
-    stopped there); None if the device never computed before `end`."""
+def busy_fraction(
+    intervals: list[tuple[float, float]], end: float, since: float | None = None
+) -> float | None:
+    """Computing time over wall time from the first unit's start (or `since`, if later) to `end` (intervals:
+    (start, stop) of each unit's emulated computation, clipped at `end`, and at the next unit's start: a unit
+    cancelled mid-way stopped there); None if the device never computed in that window."""
     ordered = sorted((start, stop) for start, stop in intervals if start < end)
-    if not ordered:
+    nexts = [start for start, _ in ordered[1:]] + [end] if ordered else []
+    spans = [(start, min(stop, end, after)) for (start, stop), after in zip(ordered, nexts, strict=True)]
+    if since is not None:
+        spans = [(max(start, since), stop) for start, stop in spans if stop > since]
+    if not spans:
         return None
-    starts = [start for start, _ in ordered[1:]] + [end]
-    busy = sum(min(stop, end, after) - start for (start, stop), after in zip(ordered, starts, strict=True))
-    first = ordered[0][0]
-    return busy / (end - first) if end > first else None
+    first = spans[0][0]
+    return sum(stop - start for start, stop in spans) / (end - first) if end > first else None
 
 
 def busy_summary(fractions: list[float]) -> dict[str, float | int | None]:

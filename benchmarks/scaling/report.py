@@ -217,8 +217,10 @@ def result(
             "latency_ms": LATENCY_MS,
             "calibration": emulation.calibration,
             "device_nice": emulation.device_nice,
-            "note": "each volunteer computes for real (threads in one process, at the CPU priority "
-            "device_nice) and answers no sooner "
+            "device_processes": emulation.device_processes,
+            "prefetch": emulation.prefetch,
+            "note": "each volunteer computes for real (in device_processes processes beside the harness, "
+            "or its threads if 0, at the CPU priority device_nice) and answers no sooner "
             "than samples x flops_per_sample / gflops; dataset shards are pre-cached (immutable "
             "blobs, 28 MB once per volunteer) and not counted; bytes = all WebSocket frames + "
             "weights/graph downloads",
@@ -338,6 +340,8 @@ HETERO_HEAD = (
     "efficiency",
     "busy median",
     "busy p10",
+    "steady median",
+    "steady p10",
     "round s",
     "start p90 ms",
     "left/joined",
@@ -349,6 +353,7 @@ HETERO_HEAD = (
 def _hetero_cells(r: Row) -> tuple[str, ...]:
     base, busy, churn = r["baseline"], r["busy"], r["churn"]["done"]
     rounds = r.get("rounds") or {}  # runs before rounds were measured have none
+    steady = busy.get("steady") or {}  # nor steady-state busy fractions
     return (
         r["method"],
         str(r["volunteers"]),
@@ -362,6 +367,8 @@ def _hetero_cells(r: Row) -> tuple[str, ...]:
         f"{base['efficiency']:.2f}" if base["speedup"] else "-",
         f"{busy['busy_median']:.1%}" if busy["busy_median"] is not None else "-",
         f"{busy['busy_p10']:.1%}" if busy["busy_p10"] is not None else "-",
+        _cell(steady.get("busy_median"), "{:.1%}"),
+        _cell(steady.get("busy_p10"), "{:.1%}"),
         _cell(rounds.get("seconds_median"), "{:.2f}"),
         _cell(rounds.get("start_ms_p90_median"), "{:.0f}"),
         f"{sum('left_s' in e for e in churn)}/{sum('joined_s' in e for e in churn)}",

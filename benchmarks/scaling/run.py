@@ -100,6 +100,19 @@ def parser() -> argparse.ArgumentParser:
         help="CPU priority (nice) of the emulated volunteers' threads; 0 shares the CPU equally with the "
         "server under test (default %(default)s, the lowest: emulation.device_pool)",
     )
+    p.add_argument(
+        "--device-processes",
+        type=int,
+        default=Options.device_processes,
+        help="processes the emulated volunteers train in, off the harness's GIL; 0 trains in threads of the "
+        "harness, as before (default %(default)s: emulation.device_processes)",
+    )
+    p.add_argument(
+        "--no-prefetch",
+        dest="prefetch",
+        action="store_false",
+        help="volunteers ask for a unit only once the last is done (browsers ask as soon as they get one)",
+    )
     return p
 
 
@@ -125,6 +138,8 @@ def options(args: argparse.Namespace) -> Options:
         heterogeneous=args.heterogeneous,
         churn_per_hour=args.churn_per_hour,
         device_nice=args.device_nice,
+        device_processes=args.device_processes,
+        prefetch=args.prefetch,
     )
 
 
@@ -134,7 +149,9 @@ def emulate(opts: Options) -> Emulation:
     print(f"calibrating: real MLP throughput with {most} concurrent volunteers ...", flush=True)
     calib = calibrate(most, seconds=2.0 if opts.quick else 4.0)
     chosen = emulation(calib, opts.gflops, opts.timeout, opts.quick, most if opts.heterogeneous else 0)
-    chosen = dataclasses.replace(chosen, device_nice=opts.device_nice)
+    chosen = dataclasses.replace(
+        chosen, device_nice=opts.device_nice, device_processes=opts.device_processes, prefetch=opts.prefetch
+    )
     need = sum(fleet.speeds(most, chosen.gflops)) if opts.heterogeneous else most * chosen.gflops
     print(
         f"  {calib}\n  emulating {'up to ' if opts.heterogeneous else ''}{chosen.gflops} GFLOP/s x {most} = "

@@ -8,6 +8,7 @@ shards and result outcomes with plain SQL. Creating and dropping the databases i
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import json
 import os
@@ -15,6 +16,7 @@ import re
 import statistics
 import subprocess
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
@@ -47,6 +49,7 @@ from .emulation import (
     CountingSimulator,
     Emulation,
     device_pool,
+    device_processes,
     share_parsed_shards,
     totals,
     unit_timings,
@@ -291,6 +294,7 @@ class Race:
     churn: Churn | None = None
     started: float = 0.0  # the clock's start and end, on the monotonic clock
     ended: float = 0.0
+    steady: float | None = None  # when version STEADY_VERSION was published, on the monotonic clock
     tasks: list[asyncio.Task[Any]] = field(default_factory=list)
 
 
@@ -302,6 +306,8 @@ class Fleet:
     evaluator: Evaluator
     speeds: list[float]
     shards: dict[str, bytes] = field(default_factory=dict)  # the training shards, read once
+    compute: concurrent.futures.Executor | None = None  # where they train (emulation.device_processes)
+    prefetch: bool = True  # Emulation.prefetch
 
     def __post_init__(self) -> None:
         self.shards = self.shards or self.evaluator.shard_cache()
@@ -317,11 +323,11 @@ class Fleet:
             gflops=self.speeds[slot],
             bandwidth_mbit=BANDWIDTH_MBIT,
             latency_ms=LATENCY_MS,
-            prefetch=False,
+            prefetch=self.prefetch,
             verdict_timeout_s=3.0,
             seed=slot + 1000 * generation,
         )
-        sim = CountingSimulator(config, self.evaluator.graph_url)
+        sim = CountingSimulator(config, self.evaluator.graph_url, self.compute)
         for shard_url, data in self.shards.items():  # in the browser cache (immutable)
             sim.cache.put(shard_url, data)
         return sim
@@ -389,6 +395,8 @@ async def run_to_target(race: Race, evaluator: Evaluator, target: float, timeout
         if race.churn is not None:
             race.churn.due(race, time.monotonic() - race.started)
         for entry in await asyncio.to_thread(evaluator.poll):
+            if entry["version"] == STEADY_VERSION:
+                race.steady = race.started + entry["created"] - race.started_wall
             if race.reached is None and entry["accuracy"] >= target:
                 race.reached, race.snapshot = entry, totals(race.sims)
         if race.reached is not None or all(t.done() for t in race.tasks):
@@ -454,12 +462,13 @@ def measure(stack: ScalingStack, method: Method, run: Plan, emulation: Emulation
     with (
         ProjectControl(stack, method) as control,
         psycopg.connect(stack.database_url, autocommit=True) as conn,
+        _training(emulation) as compute,
     ):
         stack.start()
         evaluator = Evaluator(conn, stack.var_dir / "media" / "blobs", control.project_id)
         warm_up(evaluator.graph, evaluator.x, evaluator.y)
         share_parsed_shards()
-        volunteers = Fleet(stack.url, evaluator, run.speeds)
+        volunteers = Fleet(stack.url, evaluator, run.speeds, compute=compute, prefetch=emulation.prefetch)
         race = Race(volunteers.volunteers())
         if run.departures:
             race.churn = Churn(volunteers, run.departures, occupant=dict(enumerate(race.sims)))
@@ -472,6 +481,16 @@ def measure(stack: ScalingStack, method: Method, run: Plan, emulation: Emulation
         return Measured(
             race, setup_s, evaluator.history, outcomes, reasons, round_timeline(conn, control.project_id)
         )
+
+
+@contextlib.contextmanager
+def _training(emulation: Emulation) -> Iterator[concurrent.futures.Executor | None]:
+    """The emulated volunteers' processes (None: they train in the default executor's threads)."""
+    if not emulation.device_processes:
+        yield None
+        return
+    with device_processes(emulation.device_processes, nice=emulation.device_nice) as pool:
+        yield pool
 
 
 def run_one(options: Options, emulation: Emulation, method_key: str, n: int) -> dict[str, Any]:
@@ -582,18 +601,32 @@ def rounds_summary(rounds: list[dict[str, float]]) -> dict[str, Any]:
 
 
 def busy(race: Race) -> dict[str, Any]:
-    """Each device's computing time over its wall time at steady state (fleet.busy_fraction), up to the
-    target (or its departure)."""
-    per_device = []
-    for sim in race.sims:
-        end = min(race.ended, sim.left_at or race.ended)
-        fraction = fleet_.busy_fraction(sim.tally.computing, end)
-        if fraction is not None:
-            per_device.append((sim.config.gflops, round(fraction, 4)))
+    """Each device's computing time over its wall time (fleet.busy_fraction) from its first unit, and at
+    steady state: from version STEADY_VERSION on, up to the target (or its departure)."""
+    steady = _busy_fractions(race, since=race.steady) if race.steady is not None else []
+    return {**_busy_summary(_busy_fractions(race, since=None)), "steady": _busy_summary(steady)}
+
+
+def _busy_summary(per_device: list[tuple[float, float]]) -> dict[str, Any]:
     return {
         **fleet_.busy_summary([f for _, f in per_device]),
         "per_device_gflops_busy": sorted(per_device, reverse=True),
     }
+
+
+# The first round planned for the whole fleet opens with version 2: version 1's round was planned while
+# volunteers were still signing in, and those who came later got what was left of it, then waited.
+STEADY_VERSION = 2
+
+
+def _busy_fractions(race: Race, *, since: float | None) -> list[tuple[float, float]]:
+    per_device = []
+    for sim in race.sims:
+        end = min(race.ended, sim.left_at or race.ended)
+        fraction = fleet_.busy_fraction(sim.tally.computing, end, since=since)
+        if fraction is not None:
+            per_device.append((sim.config.gflops, round(fraction, 4)))
+    return per_device
 
 
 def baseline(row: dict[str, Any], mean_gflops: float, flops_per_sample: float) -> dict[str, Any]:

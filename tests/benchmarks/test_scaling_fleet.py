@@ -8,12 +8,16 @@ import statistics
 import threading
 
 import pytest
+import torch
 
 from benchmarks.scaling import fleet
 from benchmarks.scaling.config import Options
-from benchmarks.scaling.emulation import Emulation, device_pool, heterogeneous_top_gflops
+from benchmarks.scaling.emulation import Emulation, device_pool, device_processes, heterogeneous_top_gflops
 from benchmarks.scaling.run import parser
 from benchmarks.scaling.runner import baseline
+from engine.graph import load_graph
+from engine.presets import export_preset
+from workers.simulator import Unit, honest_update
 
 
 @pytest.mark.parametrize("n", [32, 64])
@@ -66,6 +70,17 @@ def test_busy_fraction_counts_computing_time_from_the_first_unit_to_the_end() ->
     assert fleet.busy_fraction([(10.0, 20.0), (0.0, 40.0)], end=30.0) == pytest.approx(20 / 30)
 
 
+def test_busy_fraction_at_steady_state_counts_from_a_moment_on() -> None:
+    """`since`: the first round planned for the whole fleet (runner.busy); before it, volunteers still
+    signing in get what is left of a round planned for fewer, and wait for the next."""
+    intervals = [(0.0, 8.0), (40.0, 79.0), (80.0, 119.0)]
+    assert fleet.busy_fraction(intervals, end=120.0) == pytest.approx(86 / 120)
+    assert fleet.busy_fraction(intervals, end=120.0, since=40.0) == pytest.approx(78 / 80)
+    assert fleet.busy_fraction(intervals, end=120.0, since=50.0) == pytest.approx(68 / 70)
+    assert fleet.busy_fraction([(90.0, 119.0)], end=120.0, since=40.0) == pytest.approx(29 / 30)  # joined
+    assert fleet.busy_fraction([(0.0, 8.0)], end=120.0, since=40.0) is None  # left before it
+
+
 def test_busy_summary_is_the_median_and_tenth_percentile() -> None:
     summary = fleet.busy_summary([i / 100 for i in range(1, 101)])
     assert summary["busy_median"] == pytest.approx(0.505)
@@ -116,3 +131,32 @@ def test_emulated_devices_compute_at_the_lowest_priority_by_default() -> None:
 
 def _nice() -> int:
     return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+
+def test_emulated_devices_train_in_processes_of_their_own_with_the_same_numbers() -> None:
+    """Off the harness's GIL (emulation.device_processes), at the lowest priority, and the update is the
+    one the same unit gives in this process; `--device-processes 0` trains in threads as before."""
+    assert Emulation(gflops=1.0, timeout=1.0, calibration={}).device_processes == Options.device_processes > 0
+    assert parser().parse_args(["--device-processes", "0"]).device_processes == 0
+    exported, weights = export_preset("mlp")
+    graph = load_graph(exported)
+    x, y = torch.rand(12, 1, 28, 28), torch.randint(0, 10, (12,))
+    unit = Unit(1, 1, 0, "local_steps", "/g", "/w", [], batch_size=4, lr=0.1, momentum=0.9, codec="fp32")
+    with device_processes(2, nice=19) as pool:
+        remote = pool.submit(honest_update, graph, weights, x, y, unit).result()
+        pids = set(pool.map(_pid_nice, range(4)))
+    here = honest_update(graph, weights, x, y, unit)
+    assert remote[1] == here[1] and remote[0].keys() == here[0].keys()
+    for name, value in here[0].items():  # one torch thread there: sums may round in another order
+        torch.testing.assert_close(remote[0][name], value, rtol=0, atol=1e-6)
+    assert {nice for _, nice in pids} == {19} and os.getpid() not in {pid for pid, _ in pids}
+
+
+def test_emulated_volunteers_ask_for_their_next_unit_as_browsers_do() -> None:
+    """contribute.js asks for the next unit as soon as it gets one; `--no-prefetch` measures without it."""
+    assert Emulation(gflops=1.0, timeout=1.0, calibration={}).prefetch and Options.prefetch
+    assert parser().parse_args([]).prefetch and not parser().parse_args(["--no-prefetch"]).prefetch
+
+
+def _pid_nice(_: int) -> tuple[int, int]:
+    return os.getpid(), os.getpriority(os.PRIO_PROCESS, 0)

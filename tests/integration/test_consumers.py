@@ -388,3 +388,44 @@ def test_a_replica_is_pushed_to_a_waiting_volunteer_and_both_hear_the_verdict_on
         await replica.disconnect()
 
     async_to_sync(scenario)()
+
+
+def test_a_prefetch_refused_during_a_crowd_averaging_round_is_served_once_the_unit_is_in(
+    mlp_project: Project, volunteer_user: User
+) -> None:
+    """A device computing a unit of a round whose units end with it gets no second one of it
+    (lifecycle._not_computing_its_round): its prefetch `ready` is parked. Once its result is in, that
+    parked `ready` gets the rest of the round it may take, without waiting for the next round's news."""
+    Project.objects.filter(pk=mlp_project.pk).update(
+        mode="averaging", batch_size=10, round_samples=40, crowd_rounds=True, spot_check_rate=0.0
+    )
+    WorkUnit.objects.filter(project=mlp_project).delete()
+
+    async def scenario() -> None:
+        communicator = await greet(volunteer_user)
+        await database_sync_to_async(feed_work_units)()  # the round, planned for the connected device
+        assign = await send(communicator, {"type": "ready"})
+        assert assign["type"] == "assign"
+        assert (await send(communicator, {"type": "ready"}))["type"] == "idle"  # its prefetch, parked
+        unit = assign["work_unit"]
+        work_unit = await database_sync_to_async(
+            WorkUnit.objects.select_related("project", "version", "shard__blob").get
+        )(pk=unit["id"])
+        await communicator.send_to(text_data=json.dumps(_result(unit, samples=work_unit.count)))
+        await communicator.send_to(bytes_data=await database_sync_to_async(honest_update)(work_unit))
+        kinds = [json.loads(await communicator.receive_from(timeout=10))["type"] for _ in range(3)]
+        assert sorted(kinds) == ["ack", "assign", "credit"], kinds
+        await communicator.disconnect()
+
+    async_to_sync(scenario)()
+
+
+def _result(unit: dict[str, Any], *, samples: int) -> dict[str, Any]:
+    return {
+        "type": "result",
+        "work_unit": unit["id"],
+        "model_version": unit["model_version"],
+        "samples": samples,
+        "loss": 2.3,
+        "timings": {"download_ms": 1, "compute_ms": 2},
+    }

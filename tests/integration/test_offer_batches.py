@@ -225,3 +225,38 @@ def test_a_ready_over_the_socket_is_served_by_the_web_processs_batches(
     assert assign["type"] == "assign" and sizes == [1]
     sent = Result.objects.get(volunteer=volunteer_user)
     assert sent.work_unit_id == assign["work_unit"]["id"] and sent.status == "released"
+
+
+@pytest.mark.parametrize(
+    ("changes", "second"),
+    [
+        ({}, False),
+        ({"overlap_rounds": True}, True),
+        ({"mode": "sync_sgd"}, True),
+    ],
+)
+@pytest.mark.parametrize("batched", [False, True])
+def test_a_device_computing_a_unit_of_a_crowd_averaging_round_gets_no_second_one_of_it(
+    mlp_project: Project, changes: dict[str, Any], second: bool, batched: bool
+) -> None:
+    """Its unit ends with the round, so a second (a browser's prefetch) would end after it and the round
+    would wait for it: the heterogeneous benchmark's rounds at 64 took 55 s for units of 40 s. Where units do
+    not end with their round (sync, overlapping rounds), the prefetch gets its unit."""
+    Project.objects.filter(pk=mlp_project.pk).update(
+        **{"mode": "averaging", "batch_size": 10, "round_samples": 40, "crowd_rounds": True, **changes}
+    )
+    WorkUnit.objects.filter(project=mlp_project).delete()
+    users = _crowd(3)
+    lifecycle.work_units_feed(project_id=mlp_project.pk)
+    first = lifecycle.work_unit_assign(user=users[0], device=users[0].volunteer.devices.get())
+    assert first is not None and first.status == Result.Status.IN_PROGRESS
+    if batched:
+        again = work_units_offer(requests=_requests(users[:2]))
+        assert again[1].result is not None  # another device of the batch gets its unit of the round
+        prefetched = again[0].result
+    else:
+        prefetched = lifecycle.work_unit_assign(user=users[0], device=users[0].volunteer.devices.get())
+    assert (prefetched is not None) == second
+    first.status = Result.Status.RECEIVED  # done computing: the device asks again and gets more of the round
+    first.save(update_fields=["status"])
+    assert lifecycle.work_unit_assign(user=users[0], device=users[0].volunteer.devices.get()) is not None
