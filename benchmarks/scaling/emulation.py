@@ -176,10 +176,11 @@ def _yield_cpu(nice: int) -> None:
 def device_processes(workers: int, *, nice: int) -> concurrent.futures.ProcessPoolExecutor:
     """Processes the emulated volunteers train in (Simulator.compute), at CPU priority `nice`, started
     before the clock. In device_pool's threads, training held the harness's GIL between torch calls, and a
-    thread at nice 19 holding it was preempted by the server under test, so the event loop and the downloads
-    of the other volunteers waited on it: at a round's start, a 104 KB weights delta took 0.5-2 s to arrive
-    for the volunteers assigned after the first batch, against 40-100 ms for the first (README, "Where a
-    round's extra time goes"). A browser trains in a Web Worker of its own and downloads beside it."""
+    thread at nice 19 holding it could be preempted by the server under test, leaving the event loop and the
+    other volunteers' downloads waiting: at a round's start, a 104 KB weights delta took 0.5-2.3 s to arrive
+    for the volunteers assigned after the first batch, against 20-100 ms for the first, and in processes the
+    devices' start p90 halved (README, "The harness's own GIL"). A browser trains in a Web Worker of its own
+    and downloads beside it."""
     context = multiprocessing.get_context("forkserver")
     context.set_forkserver_preload(["torch", "workers.simulator"])
     pool = concurrent.futures.ProcessPoolExecutor(
