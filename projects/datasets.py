@@ -301,11 +301,20 @@ def work_unit_slices(*, work_unit: WorkUnit) -> list[ShardSlice]:
 
 
 def shard_position(*, first: DatasetShard, offset: int) -> tuple[DatasetShard, int]:
-    """The shard and offset of sample `offset` counted from the start of `first` (which it may pass)."""
+    """The shard and offset of sample `offset` counted from the start of `first` (which it may pass), on from
+    the split's start past its end, as a unit reads (shard_slices): a crowd averaging unit holding most of the
+    split, split to fit a device past that end, raised "more than the split holds" instead."""
     if offset < first.count:
         return first, offset
-    last = shard_slices(first=first, offset=0, count=offset + 1)[-1]
-    return last.shard, last.offset + last.count - 1
+    split = DatasetShard.objects.filter(dataset_id=first.dataset_id, split=first.split)
+    shards = list(split.order_by("index"))
+    at = next(i for i, shard in enumerate(shards) if shard.pk == first.pk)
+    offset %= sum(shard.count for shard in shards)
+    for shard in [*shards[at:], *shards[:at]]:
+        if offset < shard.count:
+            return shard, offset
+        offset -= shard.count
+    raise AssertionError("unreachable: the offset was taken modulo the split's samples")
 
 
 def slices_load(slices: list[ShardSlice]) -> tuple[np.ndarray, np.ndarray]:

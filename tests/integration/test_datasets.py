@@ -206,6 +206,10 @@ def test_a_slice_longer_than_its_shard_reads_on_into_the_next_ones(owner: User, 
         (1, 0),
         (2, 1),
     ]
+    # On from the split's start past its end, as the unit reads (a split of a unit that wraps raised).
+    second = dataset.shards.get(split="train", index=1)
+    positions = [datasets.shard_position(first=second, offset=o) for o in (6, 7, 9, 10, 13)]
+    assert [(s.index, o) for s, o in positions] == [(0, 0), (0, 1), (0, 3), (1, 0), (1, 3)]
     wrapped = datasets.shard_slices(first=first, offset=3, count=10)  # on from the split's start
     assert [(s.shard.index, s.offset, s.count) for s in wrapped] == [
         (0, 3, 1),
