@@ -31,7 +31,7 @@ from statistics import median
 from django.conf import settings
 from django.contrib.auth.models import User
 from django.db import transaction
-from django.db.models import Case, Exists, Max, OuterRef, Q, QuerySet, Sum, Value, When
+from django.db.models import Case, Exists, OuterRef, Q, QuerySet, Sum, Value, When
 from django.utils import timezone
 
 from config.bulk import bulk_write
@@ -177,17 +177,24 @@ def _joiners_feed(*, project: Project, version: ModelVersion) -> int:
     left (Project.round_open_to_joiners). Without it a volunteer who clicks Contribute mid-round waits for the
     next round (the heterogeneous benchmark's late-comers to its first round waited up to 28 s). It stays out
     of the round's target, so a late unit (a new device's speed is its own claim) is cancelled with the round
-    and never holds it. No unit larger than the round's own: one planned before any device came has units of
-    batch_size and closes within seconds (the benchmark's first: 63 units of 40 s cancelled with it)."""
+    and never holds it. Not in a round planned before any device came: its units are of batch_size, it closes
+    within seconds, and the next is planned for who came (the benchmark's first round cancelled ~60 of them,
+    computed for no credit)."""
     age = (timezone.now() - version.created_at).total_seconds()
-    joiners = _joiners(version=version) if project.round_open_to_joiners(round_age=age) else []
-    if not joiners:
+    open_to_joiners = project.round_open_to_joiners(round_age=age)
+    if not open_to_joiners or not _planned_by_time(project=project, version=version):
         return 0
-    planned = WorkUnit.objects.filter(version=version).aggregate(n=Max("count"))["n"] or project.batch_size
-    sizes = [min(planned, _device_unit_samples(project=project, device=d, age=age)) for d in joiners]
+    sizes = [_device_unit_samples(project=project, device=d, age=age) for d in _joiners(version=version)]
+    if not sizes:
+        return 0
     size = min(max(project.batch_size, *sizes), project.dataset.train_samples)
     missing = sum(sizes) - _unsent(version=version)
     return _round_create(project=project, version=version, size=size, missing=missing)
+
+
+def _planned_by_time(*, project: Project, version: ModelVersion) -> bool:
+    """Was the round on `version` planned for devices (_device_units), not in units of batch_size?"""
+    return WorkUnit.objects.filter(version=version, count__gt=project.batch_size).exists()
 
 
 def _joiners(*, version: ModelVersion) -> list[Device]:
