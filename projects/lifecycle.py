@@ -106,8 +106,6 @@ def work_units_feed(*, project_id: int) -> int:
             target *= 2
         missing = target - _samples_covered(project=project, version=version)
         created = _round_create(project=project, version=version, size=size, missing=missing)
-        if not created and project.units_end_with_round:
-            created = _joiners_feed(project=project, version=version)
         project.save(update_fields=["data_cursor"])
     return created
 
@@ -135,7 +133,7 @@ def _round_plan(*, project: Project, version: ModelVersion) -> int:
     once, when first fed (version.round_target), so that volunteers joining mid-round do not hold it open."""
     if not project.crowd_rounds or project.mode == Project.Mode.ASYNC_SGD:
         return project.batch_size
-    devices = list(_connected())
+    devices = _connected_devices()
     units = max(math.ceil(project.round_samples / project.batch_size), len(devices))
     if project.mode != Project.Mode.AVERAGING:
         # Sync keeps the researcher's round_samples as the live target, so a change mid-round still applies.
@@ -162,52 +160,13 @@ def _device_units(*, project: Project, devices: list[Device], units: int) -> lis
     return sized + [max(project.batch_size, typical)] * (units - len(sized))
 
 
-def _connected() -> QuerySet[Device]:
+def _connected_devices() -> list[Device]:
     """Every device connected now whose volunteer is not held back (their speeds and start times only)."""
     now = timezone.now()
     devices = Device.objects.filter(disconnected_at__isnull=True, forgotten_at__isnull=True).exclude(
         volunteer__no_work_until__gt=now
     )
-    return devices.only("observed_gflops", "gflops", "start_ms")
-
-
-def _joiners_feed(*, project: Project, version: ModelVersion) -> int:
-    """Work for the devices that came after their round was planned (its target is fixed then, _round_plan):
-    what each computes in the rest of the round, less what is still unsent, while a quarter of the round is
-    left (Project.round_open_to_joiners). Without it a volunteer who clicks Contribute mid-round waits for the
-    next round (the heterogeneous benchmark's late-comers to its first round waited up to 28 s). It stays out
-    of the round's target, so a late unit (a new device's speed is its own claim) is cancelled with the round
-    and never holds it. Not in a round planned before any device came: its units are of batch_size, it closes
-    within seconds, and the next is planned for who came (the benchmark's first round cancelled ~60 of them,
-    computed for no credit)."""
-    age = (timezone.now() - version.created_at).total_seconds()
-    open_to_joiners = project.round_open_to_joiners(round_age=age)
-    if not open_to_joiners or not _planned_by_time(project=project, version=version):
-        return 0
-    sizes = [_device_unit_samples(project=project, device=d, age=age) for d in _joiners(version=version)]
-    if not sizes:
-        return 0
-    size = min(max(project.batch_size, *sizes), project.dataset.train_samples)
-    missing = sum(sizes) - _unsent(version=version)
-    return _round_create(project=project, version=version, size=size, missing=missing)
-
-
-def _planned_by_time(*, project: Project, version: ModelVersion) -> bool:
-    """Was the round on `version` planned for devices (_device_units), not in units of batch_size?"""
-    return WorkUnit.objects.filter(version=version, count__gt=project.batch_size).exists()
-
-
-def _joiners(*, version: ModelVersion) -> list[Device]:
-    """The connected devices never sent a unit of the round on `version`."""
-    sent = Result.objects.filter(work_unit__version=version, device=OuterRef("pk"))
-    return list(_connected().filter(~Exists(sent)))
-
-
-def _unsent(*, version: ModelVersion) -> int:
-    """Samples of the round on `version` still to send (a unit not sent yet, what a split left): work for the
-    joiners first."""
-    units = WorkUnit.objects.filter(version=version, status=WorkUnit.Status.OPEN, wanted__gt=0)
-    return units.aggregate(n=Sum("count"))["n"] or 0
+    return list(devices.only("observed_gflops", "gflops", "start_ms"))
 
 
 def _samples_covered(*, project: Project, version: ModelVersion) -> int:
