@@ -12,9 +12,9 @@ from django.utils import timezone
 from pytest_django.fixtures import Settings
 
 from projects import lifecycle, training
-from projects.datasets import dataset_load_split, slices_load, work_unit_slices
+from projects.datasets import dataset_load_split, shard_slices, slices_load, work_unit_slices
 from projects.lifecycle import ResultError
-from projects.models import Project, Result, WorkUnit
+from projects.models import ModelVersion, Project, Result, WorkUnit
 from tests.integration.volunteer import assign, honest_update, judged, receive
 from workers import fitting
 from workers.models import CreditEntry, Device, Volunteer
@@ -100,6 +100,33 @@ def test_the_rest_of_a_unit_split_for_a_slow_device_starts_in_the_right_shard(
     assert result is not None and (result.work_unit.offset, result.work_unit.count) == (0, 350)
     rest = WorkUnit.objects.get(project=wide_units, count=50)
     assert (rest.shard.index, rest.offset) == (1, 50)
+
+
+def test_a_unit_that_wraps_past_the_splits_end_is_split_there_for_a_slower_device(
+    wide_units: Project, volunteer_user: User
+) -> None:
+    """A crowd averaging unit may hold nearly the whole training split, and so read on past its end from its
+    start. Cut for a slower device past that end, it raised "more than the split holds": shard_position
+    counted on to the split's end only."""
+    Project.objects.filter(pk=wide_units.pk).update(mode="averaging", crowd_rounds=True, target_seconds=40)
+    project = Project.objects.get(pk=wide_units.pk)
+    WorkUnit.objects.filter(project=project).delete()
+    last = project.dataset.shards.get(split="train", index=3)  # 100 samples: the split's last
+    WorkUnit.objects.create(
+        project=project, version=project.current_version(), shard=last, offset=50, count=990
+    )
+    # A late round: units take a quarter of target_seconds, 10 s, however late (Project.unit_seconds).
+    late = timezone.now() - timedelta(seconds=100)
+    ModelVersion.objects.filter(pk=project.current_version().pk).update(created_at=late)
+    whole = slices_load(shard_slices(first=last, offset=50, count=990))[0]
+    gflops = 97.5 * project.flops_per_sample / 1e9  # 970 samples in 10 s: 50 + 970 > 1000
+    device = Device.objects.create(volunteer=Volunteer.objects.create(user=volunteer_user), gflops=gflops)
+    result = lifecycle.work_unit_assign(user=volunteer_user, device=device)
+    assert result is not None and 950 < (front := result.work_unit.count) < 990
+    rest = WorkUnit.objects.exclude(pk=result.work_unit.pk).get(project=project)
+    assert (rest.shard.index, rest.offset, rest.count) == (3, front - 950, 990 - front)
+    parts = [slices_load(work_unit_slices(work_unit=unit))[0] for unit in (result.work_unit, rest)]
+    np.testing.assert_array_equal(np.concatenate(parts), whole)
 
 
 def test_crowd_averaging_units_are_sized_by_time_not_by_shards(wide_units: Project) -> None:
