@@ -282,11 +282,8 @@ def shard_slices(*, first: DatasetShard, offset: int, count: int) -> list[ShardS
     the dataset was cut (SHARD_SAMPLES): every unit costs a weights download and an update upload."""
     if offset + count <= first.count:
         return [ShardSlice(first, offset, count)]
-    split = DatasetShard.objects.filter(dataset_id=first.dataset_id, split=first.split).select_related("blob")
-    shards = list(split.order_by("index"))
-    at = next(i for i, shard in enumerate(shards) if shard.pk == first.pk)
     slices, left = [ShardSlice(first, offset, first.count - offset)], count - (first.count - offset)
-    for shard in [*shards[at + 1 :], *shards[:at]]:
+    for shard in _reading_order(first=first)[1:]:
         slices.append(ShardSlice(shard, 0, min(left, shard.count)))
         left -= slices[-1].count
         if left <= 0:
@@ -294,6 +291,15 @@ def shard_slices(*, first: DatasetShard, offset: int, count: int) -> list[ShardS
     if left > offset:
         raise DatasetError(f"{count:,} samples are more than the split holds.")
     return [*slices, ShardSlice(first, 0, left)]
+
+
+def _reading_order(*, first: DatasetShard) -> list[DatasetShard]:
+    """`first`'s split as a unit starting in `first` reads it: `first`, the shards after it by index, then
+    those before it (past the split's end from its start)."""
+    split = DatasetShard.objects.filter(dataset_id=first.dataset_id, split=first.split).select_related("blob")
+    shards = list(split.order_by("index"))
+    at = next(i for i, shard in enumerate(shards) if shard.pk == first.pk)
+    return [*shards[at:], *shards[:at]]
 
 
 def work_unit_slices(*, work_unit: WorkUnit) -> list[ShardSlice]:
@@ -306,11 +312,9 @@ def shard_position(*, first: DatasetShard, offset: int) -> tuple[DatasetShard, i
     split, split to fit a device past that end, raised "more than the split holds" instead."""
     if offset < first.count:
         return first, offset
-    split = DatasetShard.objects.filter(dataset_id=first.dataset_id, split=first.split)
-    shards = list(split.order_by("index"))
-    at = next(i for i, shard in enumerate(shards) if shard.pk == first.pk)
+    shards = _reading_order(first=first)
     offset %= sum(shard.count for shard in shards)
-    for shard in [*shards[at:], *shards[:at]]:
+    for shard in shards:
         if offset < shard.count:
             return shard, offset
         offset -= shard.count
