@@ -524,9 +524,12 @@ def _replayed(result: Result) -> bool:
     work_unit_ids = list(same[:REPLAY_CANDIDATES])
     if not work_unit_ids:
         return False
-    others = WorkUnit.objects.filter(pk__in=work_unit_ids, project_id=unit.project_id)
-    mine = {"version": unit.version, "shard": unit.shard, "offset": unit.offset, "count": unit.count}
-    return others.exclude(**mine).exists()
+    # By key alone, the project compared here: with the project in the statement too, PostgreSQL without
+    # statistics read the project's index (every work unit it has) rather than the primary key.
+    fields = ("project_id", "version_id", "shard_id", "offset", "count")
+    mine = (unit.project_id, unit.version_id, unit.shard_id, unit.offset, unit.count)
+    others = WorkUnit.objects.filter(pk__in=work_unit_ids).values_list(*fields)
+    return any(other[0] == mine[0] and other != mine for other in others)
 
 
 def _norm(update: Tensors) -> float:
