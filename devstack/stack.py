@@ -39,7 +39,9 @@ def replica(role: str, index: int) -> str:
 
 def _answers(url: str) -> bool:
     try:
-        urllib.request.urlopen(url + "/", timeout=2)
+        # A first request on a loaded machine can take seconds (2 s aborted one in CI), and the wait ends at
+        # the first answer, so a long bound costs nothing when the machine is quick.
+        urllib.request.urlopen(url + "/", timeout=15)
     except OSError:
         return False
     return True
@@ -111,7 +113,9 @@ class Stack:
     seed_args: tuple[str, ...] = ("--no-fashion",)
     extra_env: dict[str, str] = field(default_factory=dict)
     round_timeout: int | None = None  # seconds, for every seeded project (None: the demo's own)
-    startup_timeout: float = 60  # seconds for daphne to answer (its imports take minutes on a loaded machine)
+    # Seconds for daphne to answer. Its imports take minutes on a loaded machine (60 s ran out in CI while the
+    # browser tests ran beside it); a process that dies while starting fails the start at once anyway.
+    startup_timeout: float = 600
     # Horizontal scale as in production: N daphne processes (the first on `port`, the others on free ports;
     # the channel layer in Redis joins them) and N Celery workers on both queues.
     webs: int = 1
