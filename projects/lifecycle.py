@@ -31,7 +31,7 @@ from statistics import median
 from django.conf import settings
 from django.contrib.auth.models import User
 from django.db import transaction
-from django.db.models import Case, Exists, OuterRef, Q, QuerySet, Sum, Value, When
+from django.db.models import Case, Exists, F, OuterRef, Q, QuerySet, Sum, Value, When
 from django.utils import timezone
 
 from config.bulk import bulk_write
@@ -106,6 +106,8 @@ def work_units_feed(*, project_id: int) -> int:
             target *= 2
         missing = target - _samples_covered(project=project, version=version)
         created = _round_create(project=project, version=version, size=size, missing=missing)
+        if not created and project.units_end_with_round:
+            created = _joiners_feed(project=project, version=version)
         project.save(update_fields=["data_cursor"])
     return created
 
@@ -162,11 +164,57 @@ def _device_units(*, project: Project, devices: list[Device], units: int) -> lis
 
 def _connected_devices() -> list[Device]:
     """Every device connected now whose volunteer is not held back (their speeds and start times only)."""
+    return list(_connected().only("observed_gflops", "gflops", "start_ms"))
+
+
+def _connected() -> QuerySet[Device]:
     now = timezone.now()
-    devices = Device.objects.filter(disconnected_at__isnull=True, forgotten_at__isnull=True).exclude(
+    return Device.objects.filter(disconnected_at__isnull=True, forgotten_at__isnull=True).exclude(
         volunteer__no_work_until__gt=now
     )
-    return list(devices.only("observed_gflops", "gflops", "start_ms"))
+
+
+def _joiners_feed(*, project: Project, version: ModelVersion) -> int:
+    """Work for devices that connected after their round was planned (its target is fixed then,
+    _round_plan): what each device without a unit of the round computes in the rest of it, less what is
+    still unsent, while a quarter of it is left (Project.round_open_to_joiners). Without it they waited for
+    the next round: at 64 volunteers signing in, 45 of them computed nothing for 41 s. The round's target
+    grows by what is added, so the round closes at CROWD_CLOSE_SHARE of the whole: kept outside it, the round
+    closed on its planned devices' samples before the joiners' units ended (84-91 instances cancelled at
+    64, computed for no credit). Not in a round planned before any device came: its units are of batch_size
+    and it closes within seconds."""
+    age = (timezone.now() - version.created_at).total_seconds()
+    if not project.round_open_to_joiners(round_age=age) or not _planned_for_devices(version=version):
+        return 0
+    waiting = _without_a_unit(version=version)
+    if not any(device.connected_at > version.created_at for device in waiting):
+        return 0  # the round was planned for them all, those that never take one of its units too
+    sizes = [_device_unit_samples(project=project, device=d, age=age) for d in waiting]
+    size = min(max(project.batch_size, *sizes), project.dataset.train_samples)
+    cursor, missing = project.data_cursor, sum(sizes) - _unsent(version)
+    created = _round_create(project=project, version=version, size=size, missing=missing)
+    added = project.data_cursor - cursor
+    ModelVersion.objects.filter(pk=version.pk).update(round_target=F("round_target") + added)
+    return created
+
+
+def _planned_for_devices(*, version: ModelVersion) -> bool:
+    """Was the round on `version` planned for devices (_device_units), not in units of batch_size?"""
+    return WorkUnit.objects.filter(version=version, count__gt=version.project.batch_size).exists()
+
+
+def _without_a_unit(*, version: ModelVersion) -> list[Device]:
+    """The connected devices never sent a unit of the round on `version`."""
+    sent = Result.objects.filter(work_unit__version=version, device=OuterRef("pk"))
+    devices = _connected().filter(~Exists(sent))
+    return list(devices.only("observed_gflops", "gflops", "start_ms", "connected_at"))
+
+
+def _unsent(version: ModelVersion) -> int:
+    """Samples of the round on `version` still to send (a planned unit not sent yet, what a split left):
+    work for the joiners first."""
+    units = WorkUnit.objects.filter(version=version, status=WorkUnit.Status.OPEN, wanted__gt=0)
+    return units.aggregate(n=Sum("count"))["n"] or 0
 
 
 def _samples_covered(*, project: Project, version: ModelVersion) -> int:

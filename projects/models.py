@@ -360,6 +360,13 @@ class Project(models.Model):
             return float(self.target_seconds)
         return max(self.target_seconds / 4, self.target_seconds - round_age)
 
+    def round_open_to_joiners(self, *, round_age: float) -> bool:
+        """Does a round `round_age` seconds old still take devices that connected after it was planned
+        (lifecycle._joiners_feed)? Where its units end with it, while at least a quarter of its
+        target_seconds is left: a unit sent later still takes that quarter (unit_seconds), so it would end
+        after the round."""
+        return self.units_end_with_round and round_age <= self.target_seconds * 3 / 4
+
     @property
     def units_end_with_round(self) -> bool:
         """Does a unit sent during a round end with it (unit_seconds)? Then a device computing one has

@@ -342,6 +342,7 @@ HETERO_HEAD = (
     "busy p10",
     "steady median",
     "steady p10",
+    "1st unit wait p90 / max s",
     "round s",
     "start p90 ms",
     "left/joined",
@@ -369,12 +370,19 @@ def _hetero_cells(r: Row) -> tuple[str, ...]:
         f"{busy['busy_p10']:.1%}" if busy["busy_p10"] is not None else "-",
         _cell(steady.get("busy_median"), "{:.1%}"),
         _cell(steady.get("busy_p10"), "{:.1%}"),
+        _wait_cell(busy.get("first_unit_wait_s") or {}),  # runs before it was measured have none
         _cell(rounds.get("seconds_median"), "{:.2f}"),
         _cell(rounds.get("start_ms_p90_median"), "{:.0f}"),
         f"{sum('left_s' in e for e in churn)}/{sum('joined_s' in e for e in churn)}",
         f"{r['compute_real_over_emulated']}/{r['work_units_all']}",
         f"{r['load_average_before']:.1f}",
     )
+
+
+def _wait_cell(waits: dict[str, float | None]) -> str:
+    if waits.get("p90") is None:
+        return "-"
+    return f"{waits['p90']:.1f} / {waits['max']:.1f}"
 
 
 def _cell(value: float | None, form: str) -> str:

@@ -604,7 +604,19 @@ def busy(race: Race) -> dict[str, Any]:
     """Each device's computing time over its wall time (fleet.busy_fraction) from its first unit, and at
     steady state: from version STEADY_VERSION on, up to the target (or its departure)."""
     steady = _busy_fractions(race, since=race.steady) if race.steady is not None else []
-    return {**_busy_summary(_busy_fractions(race, since=None)), "steady": _busy_summary(steady)}
+    whole = _busy_summary(_busy_fractions(race, since=None))
+    return {**whole, "steady": _busy_summary(steady), "first_unit_wait_s": _first_unit_waits(race)}
+
+
+def _first_unit_waits(race: Race) -> dict[str, float | None]:
+    """Seconds from each volunteer's start (sign-in, connection) to its first unit's computing: what clicking
+    Contribute costs before any work, which the busy fraction (counted from that first unit) leaves out."""
+    computed = [sim for sim in race.sims if sim.tally.computing]
+    waits = sorted(min(start for start, _ in sim.tally.computing) - sim.started for sim in computed)
+    if not waits:
+        return {"median": None, "p90": None, "max": None}
+    p90 = statistics.quantiles(waits, n=10, method="inclusive")[-1] if len(waits) > 1 else waits[0]
+    return {"median": round(statistics.median(waits), 2), "p90": round(p90, 2), "max": round(waits[-1], 2)}
 
 
 def _busy_summary(per_device: list[tuple[float, float]]) -> dict[str, Any]:

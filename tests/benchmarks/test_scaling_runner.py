@@ -1,17 +1,20 @@
 """The scaling benchmark's round timeline (benchmarks/scaling/runner.py), read from the platform's own tables
-on PostgreSQL: how long each round took and how long its devices took to start computing."""
+on PostgreSQL: how long each round took and how long its devices took to start computing; and how long each
+volunteer waited for its first unit."""
 
 from __future__ import annotations
 
 from datetime import timedelta
-from typing import Any
+from types import SimpleNamespace
+from typing import Any, cast
 
 import pytest
 from django.contrib.auth.models import User
 from django.db import connection
 from django.utils import timezone
 
-from benchmarks.scaling.runner import round_timeline, rounds_summary
+from benchmarks.scaling.emulation import CountingSimulator
+from benchmarks.scaling.runner import Race, busy, round_timeline, rounds_summary
 from projects.models import ModelVersion, Project, Result, WorkUnit
 
 pytestmark = pytest.mark.django_db
@@ -54,3 +57,23 @@ def test_rounds_are_timed_from_version_to_version_with_their_first_units_start(m
         790.0,
     )
     assert rounds_summary([])["seconds_median"] is None
+
+
+def _sim(started: float, computing: list[tuple[float, float]]) -> Any:
+    return SimpleNamespace(
+        started=started,
+        tally=SimpleNamespace(computing=computing),
+        left_at=None,
+        config=SimpleNamespace(gflops=1.0),
+    )
+
+
+def test_a_volunteers_wait_for_its_first_unit_is_reported_beside_the_busy_fraction() -> None:
+    """The busy fraction counts from a device's first unit, so a volunteer who connected mid-round and got
+    nothing until the next one looked as busy as the others; the wait from its start to that unit shows it."""
+    sims = [_sim(100.0, [(101.0, 140.0), (141.0, 180.0)]), _sim(100.0, [(140.0, 180.0)]), _sim(120.0, [])]
+    race = Race(sims=cast(list[CountingSimulator], sims), started=100.0, ended=180.0)
+    report = busy(race)
+    assert report["first_unit_wait_s"] == {"median": 20.5, "p90": 36.1, "max": 40.0}
+    assert report["busy_median"] == pytest.approx((78 / 79 + 1.0) / 2, abs=1e-4)
+    assert busy(Race(sims=[], ended=1.0))["first_unit_wait_s"] == {"median": None, "p90": None, "max": None}

@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 from django.contrib.auth.models import User
 from django.db import DatabaseError, connection, transaction
+from django.db.models import Q, Sum
 from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
 
@@ -229,6 +230,135 @@ def test_a_crowd_averaging_unit_ends_with_the_rounds_target_seconds(
     # (the second the test itself takes)
     fits = [project.work_unit_samples(gflops=gflops, seconds=s) for s in (seconds - 1, seconds)]
     assert fits[0] <= result.work_unit.count <= fits[1]
+
+
+def _late_comer(project: Project, name: str, samples_per_second: float) -> User:
+    user = User.objects.create_user(name)
+    gflops = (samples_per_second + 0.5) * project.flops_per_sample / 1e9
+    device_register(user=user, client_id=f"browser-{name}", backend="wasm", gflops=gflops, user_agent="")
+    return user
+
+
+def _round_started(project: Project, *, seconds_ago: float) -> None:
+    ModelVersion.objects.filter(pk=project.current_version().pk).update(
+        created_at=timezone.now() - timedelta(seconds=seconds_ago)
+    )
+
+
+def _crowd_averaging(project: Project, **fields: Any) -> Project:
+    settings = {"mode": "averaging", "batch_size": 10, "round_samples": 10, "crowd_rounds": True}
+    Project.objects.filter(pk=project.pk).update(**{**settings, "target_seconds": 40, **fields})
+    WorkUnit.objects.filter(project=project).delete()
+    return Project.objects.get(pk=project.pk)
+
+
+def _unsent(project: Project) -> int:
+    unsent = Sum("count", filter=Q(status="open", wanted__gt=0))
+    return WorkUnit.objects.filter(project=project).aggregate(n=unsent)["n"] or 0
+
+
+@pytest.mark.parametrize(("age", "seconds"), [(5, 35), (18, 22), (29, 11), (31, None), (50, None)])
+def test_a_device_that_comes_mid_round_gets_a_unit_that_ends_with_it_and_the_round_waits_for_it(
+    mlp_project: Project, age: int, seconds: int | None
+) -> None:
+    """The round's target is fixed when it is planned, so a device connecting later found no work and waited
+    for the next round (at 64 volunteers signing in, 45 computed nothing for 41 s). Now the feeder gives it
+    a unit of what is left of the round's 40 s, while a whole quarter is left (a unit sent later still takes
+    10 s and would end after the round), and the round's target grows by it: outside the target, the round
+    closed on its planned samples before such units ended, and cancelled them."""
+    project = _crowd_averaging(mlp_project)
+    first = _late_comer(project, "on-time", 100)  # its unit: the whole training split, so nothing is left
+    lifecycle.work_units_feed(project_id=project.pk)
+    assert lifecycle.work_unit_assign(user=first, device=first.volunteer.devices.get()) is not None
+    target = project.current_version().round_target
+    assert target is not None
+    _round_started(project, seconds_ago=age)
+    joiner = _late_comer(project, "late-comer", 10)
+    created = lifecycle.work_units_feed(project_id=project.pk)
+    added = _unsent(project)
+    result = lifecycle.work_unit_assign(user=joiner, device=joiner.volunteer.devices.get())
+    if seconds is None:
+        assert (created, result, project.current_version().round_target) == (0, None, target)
+        return
+    assert created == 1 and result is not None
+    # (the second the test itself takes)
+    gflops = 10.5 * project.flops_per_sample / 1e9
+    fits = [project.work_unit_samples(gflops=gflops, seconds=s) for s in (seconds - 1, seconds)]
+    assert fits[0] <= result.work_unit.count <= fits[1]
+    assert project.current_version().round_target == target + added
+    assert training.round_close_samples(project=project, current=project.current_version()) > target
+
+
+def test_late_comers_get_what_is_still_unsent_first(mlp_project: Project) -> None:
+    """The feeder adds only what the devices without a unit of the round need beyond its unsent samples (a
+    planned unit not sent yet, what a split left), the target grows by exactly what it adds, and nothing
+    more is added when fed again; a device computing one of its units gets none (it ends with the round)."""
+    project = _crowd_averaging(mlp_project)
+    first, second = _late_comer(project, "first", 20), _late_comer(project, "second", 20)
+    lifecycle.work_units_feed(project_id=project.pk)
+    assert lifecycle.work_unit_assign(user=first, device=first.volunteer.devices.get()) is not None
+    before, target = _unsent(project), project.current_version().round_target
+    assert target is not None
+    _round_started(project, seconds_ago=5)
+    late = [_late_comer(project, f"late-{i}", 10) for i in range(3)]
+    assert lifecycle.work_units_feed(project_id=project.pk) > 0
+    assert lifecycle.work_units_feed(project_id=project.pk) == 0
+    largest = project.work_unit_samples(gflops=20.5 * project.flops_per_sample / 1e9, seconds=35)
+    need = largest + 3 * project.work_unit_samples(gflops=10.5 * project.flops_per_sample / 1e9, seconds=35)
+    after = _unsent(project)
+    assert before < need <= after < need + largest  # in units of the largest need: never one too many
+    assert project.current_version().round_target == target + after - before
+    served = [lifecycle.work_unit_assign(user=u, device=u.volunteer.devices.get()) for u in [second, *late]]
+    assert all(result is not None for result in served)
+    assert lifecycle.work_unit_assign(user=first, device=first.volunteer.devices.get()) is None
+
+
+def test_devices_connected_before_the_round_began_do_not_grow_it(mlp_project: Project) -> None:
+    """The round was planned for them: one that never takes a unit of it (its volunteer chose another
+    project, say), its planned unit computed by another, must not add units to it at every beat of the
+    feeder."""
+    project = _crowd_averaging(mlp_project)
+    working, _elsewhere = _late_comer(project, "working", 10), _late_comer(project, "elsewhere", 10)
+    ModelVersion.objects.filter(pk=project.current_version().pk).update(created_at=timezone.now())
+    lifecycle.work_units_feed(project_id=project.pk)
+    assert lifecycle.work_unit_assign(user=working, device=working.volunteer.devices.get()) is not None
+    assert lifecycle.work_unit_assign(user=User.objects.create_user("no-device")) is not None
+    target, units = project.current_version().round_target, WorkUnit.objects.filter(project=project).count()
+    for _ in range(3):
+        assert lifecycle.work_units_feed(project_id=project.pk) == 0
+    assert project.current_version().round_target == target
+    assert WorkUnit.objects.filter(project=project).count() == units
+
+
+def test_late_comers_to_a_round_planned_before_any_device_wait_for_the_next(mlp_project: Project) -> None:
+    """Planned with no device connected, a round has units of batch_size and closes within seconds: units
+    given to late-comers were cancelled with it, computed for no credit (the heterogeneous benchmark's first
+    round: ~60 of them). The next round is planned for them."""
+    project = _crowd_averaging(mlp_project, round_samples=20)
+    lifecycle.work_units_feed(project_id=project.pk)
+    _round_started(project, seconds_ago=2)
+    late = [_late_comer(project, f"late-{i}", 10) for i in range(3)]
+    assert lifecycle.work_units_feed(project_id=project.pk) == 0
+    served = [lifecycle.work_unit_assign(user=u, device=u.volunteer.devices.get()) for u in late]
+    assert [result.work_unit.count if result else None for result in served] == [10, 10, None]
+    assert project.current_version().round_target == 20
+
+
+@pytest.mark.parametrize(("mode", "overlap"), [("sync", False), ("averaging", True)])
+def test_late_comers_wait_where_units_do_not_end_with_the_round(
+    mlp_project: Project, mode: str, overlap: bool
+) -> None:
+    """Sync rounds keep the researcher's round_samples; overlapping rounds already have a unit ready for
+    each device that ends one before the round closes."""
+    project = _crowd_averaging(mlp_project, mode=mode, overlap_rounds=overlap)
+    _late_comer(project, "first", 20)
+    lifecycle.work_units_feed(project_id=project.pk)
+    units, target = WorkUnit.objects.filter(project=project).count(), project.current_version().round_target
+    _round_started(project, seconds_ago=5)
+    _late_comer(project, "late", 10)
+    lifecycle.work_units_feed(project_id=project.pk)
+    assert WorkUnit.objects.filter(project=project).count() == units
+    assert project.current_version().round_target == target
 
 
 @pytest.mark.parametrize("crowd", [False, True])
