@@ -106,7 +106,7 @@ def work_units_feed(*, project_id: int) -> int:
             target *= 2
         missing = target - _samples_covered(project=project, version=version)
         created = _round_create(project=project, version=version, size=size, missing=missing)
-        if not created and project.units_end_with_round:
+        if not created:
             created = _joiners_feed(project=project, version=version)
         project.save(update_fields=["data_cursor"])
     return created
@@ -184,7 +184,7 @@ def _joiners_feed(*, project: Project, version: ModelVersion) -> int:
     64, computed for no credit). Not in a round planned before any device came: its units are of batch_size
     and it closes within seconds."""
     age = (timezone.now() - version.created_at).total_seconds()
-    if not project.round_open_to_joiners(round_age=age) or not _planned_for_devices(version=version):
+    if not project.round_open_to_joiners(round_age=age) or not _planned_for_devices(project, version):
         return 0
     waiting = _without_a_unit(version=version)
     if not any(device.connected_at > version.created_at for device in waiting):
@@ -193,14 +193,14 @@ def _joiners_feed(*, project: Project, version: ModelVersion) -> int:
     size = min(max(project.batch_size, *sizes), project.dataset.train_samples)
     cursor, missing = project.data_cursor, sum(sizes) - _unsent(version)
     created = _round_create(project=project, version=version, size=size, missing=missing)
-    added = project.data_cursor - cursor
-    ModelVersion.objects.filter(pk=version.pk).update(round_target=F("round_target") + added)
+    if added := project.data_cursor - cursor:
+        ModelVersion.objects.filter(pk=version.pk).update(round_target=F("round_target") + added)
     return created
 
 
-def _planned_for_devices(*, version: ModelVersion) -> bool:
+def _planned_for_devices(project: Project, version: ModelVersion) -> bool:
     """Was the round on `version` planned for devices (_device_units), not in units of batch_size?"""
-    return WorkUnit.objects.filter(version=version, count__gt=version.project.batch_size).exists()
+    return WorkUnit.objects.filter(version=version, count__gt=project.batch_size).exists()
 
 
 def _without_a_unit(*, version: ModelVersion) -> list[Device]:
