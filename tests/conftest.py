@@ -52,10 +52,8 @@ def default_language() -> Iterator[None]:
 
 @pytest.fixture
 def fresh_limiter(settings: Any) -> None:
-    """Rate-limit counters of this test only (the Redis database outlives test runs), and a fast password
-    hasher: these tests hash many passwords, and the production one took 3-5 s a login on a loaded machine."""
+    """Rate-limit counters of this test only (the Redis database outlives test runs)."""
     settings.RATELIMIT_CACHE_PREFIX = f"rl-test-{uuid.uuid4().hex}:"
-    settings.PASSWORD_HASHERS = ["django.contrib.auth.hashers.MD5PasswordHasher"]
 
 
 @pytest.fixture(autouse=True)

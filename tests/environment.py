@@ -12,6 +12,10 @@ from pathlib import Path
 os.environ.setdefault("DATABASE_URL", "postgres://postgres@127.0.0.1:5432/crowdtrain")
 os.environ.setdefault("REDIS_URL", "redis://127.0.0.1:6379/15")
 os.environ.setdefault("CELERY_TASK_ALWAYS_EAGER", "1")
+# The suite's passwords are hashed with MD5, in this process and in the stacks it starts (they inherit the
+# environment): PBKDF2's million rounds cost 0.34 s a hash here, 3-5 s on a loaded machine, for every user a
+# test creates or logs in. tests/integration/test_deploy_check.py checks production's own.
+os.environ.setdefault("DJANGO_PASSWORD_HASHERS", "django.contrib.auth.hashers.MD5PasswordHasher")
 # Each project a test creates would train its one-CPU baseline eagerly (minutes): off unless a test asks.
 os.environ.setdefault("CROWDTRAIN_BASELINE_SECONDS", "0")
 # Under pytest-xdist (`make test` runs three workers) each worker has a var dir (blobs, uploads) of its own

@@ -158,7 +158,8 @@ def test_failed_sign_ups_do_not_count(client: Client, settings: Any) -> None:
 
 def test_production_defaults() -> None:
     env = {**os.environ, "DJANGO_ENV": "production", "DJANGO_SECRET_KEY": "x" * 50}
-    env.pop("CROWDTRAIN_LOGIN_RATE", None), env.pop("CROWDTRAIN_SIGNUP_RATE", None)
+    for name in ("CROWDTRAIN_LOGIN_RATE", "CROWDTRAIN_SIGNUP_RATE", "DJANGO_PASSWORD_HASHERS"):
+        env.pop(name, None)
     code = "import django; django.setup(); from django.conf import settings as s; "
     code += "print(s.CROWDTRAIN_LOGIN_RATE, s.CROWDTRAIN_SIGNUP_RATE, s.CROWDTRAIN_TRUSTED_PROXIES)"
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
