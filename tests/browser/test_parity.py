@@ -177,16 +177,12 @@ def test_preset(harness: Any, backend: str, name: str) -> None:
     run_case(harness, backend, f"preset:{name}", g, weights, n=8)
 
 
+# ResNet-18 on the CPU backend is test_corpus's tv_resnet18 (torchvision's): the same kernels (3x3
+# convolutions at strides 1 and 2, 1x1 shortcuts, batch norm, ReLU, sums, average pool, linear), a 7x7 stem
+# and a max pool too, its blocks on a quarter of the preset's pixels. The preset there took 152 s of CI's
+# 6,096 s, the most of any browser test, and checked no kernel that the corpus does not.
 @pytest.mark.slow
-@pytest.mark.parametrize(
-    ("name", "backend"),
-    [
-        ("gpt", "webgl"),
-        ("gpt", "cpu"),
-        ("resnet18", "webgl"),
-        ("resnet18", "cpu"),
-    ],
-)
+@pytest.mark.parametrize(("name", "backend"), [("gpt", "webgl"), ("gpt", "cpu"), ("resnet18", "webgl")])
 def test_big_preset(harness: Any, backend: str, name: str) -> None:
     g, weights = preset(name)
     run_case(harness, backend, f"preset:{name}", g, weights, n=2)
