@@ -113,7 +113,7 @@ DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 # Django's own list (PBKDF2 first) unless the operator names others, Argon2 first, say. The test suite names
 # MD5, whose hashes cost nothing (PBKDF2 took 0.34 s a hash, most of a database test's setup); new passwords
 # are hashed with the first, and production refuses MD5 there.
-PASSWORD_HASHERS = env_list("DJANGO_PASSWORD_HASHERS", ",".join(global_settings.PASSWORD_HASHERS))
+PASSWORD_HASHERS = env_list("DJANGO_PASSWORD_HASHERS", "") or global_settings.PASSWORD_HASHERS
 if PRODUCTION and PASSWORD_HASHERS[0].endswith("MD5PasswordHasher"):
     raise RuntimeError("DJANGO_PASSWORD_HASHERS: MD5 cannot hash new passwords when DJANGO_ENV=production")
 AUTH_PASSWORD_VALIDATORS = [

@@ -18,6 +18,7 @@ from django.contrib.auth.models import User
 from django.core import mail
 from django.test import Client
 
+from tests.integration.test_deploy_check import production
 from workers.models import Volunteer
 
 pytestmark = pytest.mark.django_db
@@ -143,11 +144,7 @@ def production_mail_settings(**env: str) -> dict[str, Any]:
     ]
     code = "import json, sys; from config import settings as s; "
     code += f"json.dump({{n: getattr(s, n) for n in {names}}}, sys.stdout)"
-    base = {key: value for key, value in os.environ.items() if not key.startswith("DJANGO_")}
-    base |= {"DJANGO_ENV": "production", "DJANGO_SECRET_KEY": "x" * 50, "DJANGO_ALLOWED_HOSTS": "example.org"}
-    done = subprocess.run(
-        [sys.executable, "-c", code], cwd=ROOT, env=base | env, capture_output=True, text=True, timeout=60
-    )
+    done = production("-c", code, **env)
     assert done.returncode == 0, done.stderr
     return dict(json.loads(done.stdout))
 
