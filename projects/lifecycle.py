@@ -43,7 +43,7 @@ from projects.models import DatasetShard, ModelVersion, Project, Result, WorkUni
 from projects.shares import shares_order, usage_charge
 from workers import fitting
 from workers.models import Device, DeviceDownload, Volunteer
-from workers.preferences import Preferences, preferences_effective
+from workers.preferences import Preferences, devices_allowing, preferences_effective
 from workers.services import volunteer_ensure, volunteer_record_invalid
 
 # A connection may hold this many instances at once: one computing, one prefetched.
@@ -129,13 +129,13 @@ def _round_create(*, project: Project, version: ModelVersion, size: int, missing
 
 def _round_plan(*, project: Project, version: ModelVersion) -> int:
     """Samples per work unit of the round fed now. A crowd-sized round (Project.crowd_rounds) has a work unit
-    for every connected volunteer who may work, at least round_samples / batch_size of them: sync SGD shares
-    the researcher's target batch between them; averaging gives each device a unit of target_seconds of
+    for every connected device that may take its work, at least round_samples / batch_size of them: sync SGD
+    shares the researcher's target batch between them; averaging gives each device a unit of target_seconds of
     local steps on that device (_device_units), so the round grows with the crowd, and its target is fixed
     once, when first fed (version.round_target), so that volunteers joining mid-round do not hold it open."""
     if not project.crowd_rounds or project.mode == Project.Mode.ASYNC_SGD:
         return project.batch_size
-    devices = _connected_devices()
+    devices = _connected_devices(project_id=project.pk)
     units = max(math.ceil(project.round_samples / project.batch_size), len(devices))
     if project.mode != Project.Mode.AVERAGING:
         # Sync keeps the researcher's round_samples as the live target, so a change mid-round still applies.
@@ -162,16 +162,20 @@ def _device_units(*, project: Project, devices: list[Device], units: int) -> lis
     return sized + [max(project.batch_size, typical)] * (units - len(sized))
 
 
-def _connected_devices() -> list[Device]:
-    """Every device connected now whose volunteer is not held back (their speeds and start times only)."""
-    return list(_connected().only("observed_gflops", "gflops", "start_ms"))
+def _connected_devices(*, project_id: int) -> list[Device]:
+    """Every device connected now that may take the project's work (their speeds and start times only)."""
+    return list(_connected(project_id=project_id).only("observed_gflops", "gflops", "start_ms"))
 
 
-def _connected() -> QuerySet[Device]:
+def _connected(*, project_id: int) -> QuerySet[Device]:
+    """The connected devices whose volunteer is not held back and whose preferences allow the project: in a
+    multi-project server, counting those that chose another project planned units nobody here would take
+    (computed late as leftovers by others, or the round closed by its time)."""
     now = timezone.now()
-    return Device.objects.filter(disconnected_at__isnull=True, forgotten_at__isnull=True).exclude(
+    devices = Device.objects.filter(disconnected_at__isnull=True, forgotten_at__isnull=True).exclude(
         volunteer__no_work_until__gt=now
     )
+    return devices_allowing(devices=devices, project_id=project_id)
 
 
 def _joiners_feed(*, project: Project, version: ModelVersion) -> int:
@@ -186,7 +190,7 @@ def _joiners_feed(*, project: Project, version: ModelVersion) -> int:
     age = (timezone.now() - version.created_at).total_seconds()
     if not project.round_open_to_joiners(round_age=age) or not _planned_for_devices(project, version):
         return 0
-    waiting = _without_a_unit(version=version)
+    waiting = _without_a_unit(version=version, project_id=project.pk)
     if not any(device.connected_at > version.created_at for device in waiting):
         return 0  # the round was planned for them all, those that never take one of its units too
     sizes = [_device_unit_samples(project=project, device=d, age=age) for d in waiting]
@@ -203,10 +207,11 @@ def _planned_for_devices(project: Project, version: ModelVersion) -> bool:
     return WorkUnit.objects.filter(version=version, count__gt=project.batch_size).exists()
 
 
-def _without_a_unit(*, version: ModelVersion) -> list[Device]:
-    """The connected devices never sent a unit of the round on `version`."""
+def _without_a_unit(*, version: ModelVersion, project_id: int) -> list[Device]:
+    """The connected devices that may take the project's work and were never sent a unit of the round on
+    `version`."""
     sent = Result.objects.filter(work_unit__version=version, device=OuterRef("pk"))
-    devices = _connected().filter(~Exists(sent))
+    devices = _connected(project_id=project_id).filter(~Exists(sent))
     return list(devices.only("observed_gflops", "gflops", "start_ms", "connected_at"))
 
 

@@ -17,7 +17,7 @@ from django.utils import timezone
 from projects import lifecycle, training, validation
 from projects.models import DatasetShard, ModelVersion, Project, Result, WorkUnit
 from workers.models import Volunteer
-from workers.preferences import preferences_effective
+from workers.preferences import preferences_effective, preferences_save
 from workers.services import device_register
 
 pytestmark = pytest.mark.django_db
@@ -314,8 +314,8 @@ def test_late_comers_get_what_is_still_unsent_first(mlp_project: Project) -> Non
 
 
 def test_devices_connected_before_the_round_began_do_not_grow_it(mlp_project: Project) -> None:
-    """The round was planned for them: one that never takes a unit of it (its volunteer chose another
-    project, say), its planned unit computed by another, must not add units to it at every beat of the
+    """The round was planned for them: one that never takes a unit of it (busy with another project's
+    work, say), its planned unit computed by another, must not add units to it at every beat of the
     feeder."""
     project = _crowd_averaging(mlp_project)
     working, _elsewhere = _late_comer(project, "working", 10), _late_comer(project, "elsewhere", 10)
@@ -328,6 +328,47 @@ def test_devices_connected_before_the_round_began_do_not_grow_it(mlp_project: Pr
         assert lifecycle.work_units_feed(project_id=project.pk) == 0
     assert project.current_version().round_target == target
     assert WorkUnit.objects.filter(project=project).count() == units
+
+
+def _elsewhere(user: User, project_id: int) -> None:
+    """The volunteer chose only another project."""
+    preferences_save(
+        volunteer=user.volunteer, device=None, values={"projects": "only"}, chosen_projects=[project_id]
+    )
+
+
+def test_a_crowd_round_is_planned_for_the_devices_that_may_take_its_units(
+    mlp_project: Project, second_project: Project
+) -> None:
+    """In a multi-project server, devices whose volunteers chose another project are not counted: a round
+    planned for them had units nobody here would take (computed late as leftovers, or closed by its time)."""
+    project = _crowd_averaging(mlp_project)
+    here = [_late_comer(project, f"here-{i}", 10) for i in range(2)]
+    for i in range(3):
+        _elsewhere(_late_comer(project, f"elsewhere-{i}", 10), second_project.pk)
+    lifecycle.work_units_feed(project_id=project.pk)
+    gflops = 10.5 * project.flops_per_sample / 1e9
+    fits = [project.work_unit_samples(gflops=gflops, seconds=s) for s in (39, 40)]  # (the test's second)
+    assert project.current_version().round_target == 2 * fits[1]
+    assert WorkUnit.objects.filter(project=project).count() == 2
+    served = [lifecycle.work_unit_assign(user=u, device=u.volunteer.devices.get()) for u in here]
+    assert all(result and fits[0] <= result.work_unit.count <= fits[1] for result in served)
+
+
+def test_late_comers_who_chose_another_project_do_not_grow_the_round(
+    mlp_project: Project, second_project: Project
+) -> None:
+    project = _crowd_averaging(mlp_project)
+    first = _late_comer(project, "first", 100)  # its unit: the whole training split, so nothing is left
+    lifecycle.work_units_feed(project_id=project.pk)
+    assert lifecycle.work_unit_assign(user=first, device=first.volunteer.devices.get()) is not None
+    target = project.current_version().round_target
+    _round_started(project, seconds_ago=5)
+    _elsewhere(_late_comer(project, "late-elsewhere", 10), second_project.pk)
+    assert lifecycle.work_units_feed(project_id=project.pk) == 0
+    assert project.current_version().round_target == target
+    _late_comer(project, "late-here", 10)
+    assert lifecycle.work_units_feed(project_id=project.pk) == 1
 
 
 def test_late_comers_to_a_round_planned_before_any_device_wait_for_the_next(mlp_project: Project) -> None:

@@ -16,6 +16,7 @@ from projects.services import project_create
 from workers.models import ComputingPreferences, Device, Volunteer
 from workers.preferences import (
     DEFAULTS,
+    devices_allowing,
     preferences_devices,
     preferences_effective,
     preferences_forget_device,
@@ -153,6 +154,54 @@ def test_the_choice_of_projects_is_a_condition_on_work_units(
         volunteer=volunteer, device=None, values=values(projects="only"), chosen_projects=[other.pk]
     )
     assert preferences_effective(volunteer_id=volunteer.pk).single_choice
+
+
+def test_the_devices_allowing_a_project_are_those_whose_effective_preferences_allow_it(
+    mlp_project: Project, second_project: Project
+) -> None:
+    """The round planner's query (devices_allowing) against Preferences.allows, device by device: no
+    preferences, the volunteer's defaults, a device's override replacing them either way."""
+    this, other = mlp_project.pk, second_project.pk
+    cases = {  # device: (the volunteer's defaults, the device's override), each (mode, chosen) or None
+        "nothing stored": (None, None),
+        "only this": (("only", [this]), None),
+        "only the other": (("only", [other]), None),
+        "except this": (("except", [this]), None),
+        "except the other": (("except", [other]), None),
+        "only the other, overridden by any": (("only", [other]), ("any", [])),
+        "any, overridden by only the other": (("any", []), ("only", [other])),
+        "except this, overridden by only this": (("except", [this]), ("only", [this])),
+    }
+    devices = {name: _device_with(name, *stored) for name, stored in cases.items()}
+    got = {d.client_id for d in devices_allowing(devices=Device.objects.all(), project_id=this)}
+    expected = {
+        name
+        for name, device in devices.items()
+        if preferences_effective(volunteer_id=device.volunteer_id, device_id=device.pk).allows(this)
+    }
+    allowed = {"nothing stored", "only this", "except the other"}
+    assert (
+        got
+        == expected
+        == allowed | {"only the other, overridden by any", "except this, overridden by only this"}
+    )
+
+
+Stored = tuple[str, list[int]] | None
+
+
+def _device_with(name: str, defaults: Stored, own: Stored) -> Device:
+    volunteer = volunteer_ensure(user=User.objects.create_user(name))
+    device = device_of(volunteer, name)
+    for target, stored in ((None, defaults), (device, own)):
+        if stored is not None:
+            preferences_save(
+                volunteer=volunteer,
+                device=target,
+                values=values(projects=stored[0]),
+                chosen_projects=stored[1],
+            )
+    return device
 
 
 # --- the form -------------------------------------------------------------------------------------------
