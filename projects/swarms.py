@@ -16,14 +16,15 @@ which stage of a pipeline project, and so which stage units each device is offer
   A member asking while R units of its stage are ready gets one unless R other connected members with a free
   slot would finish sooner. A unit is held for them for ROUTE_HOLD_SECONDS at most after it became ready, so
   a faster member that never asks (a paused browser) cannot hold work back for long.
-- **Rebalancing** (beat, `pipelines_rebalance`): memberships of departed devices and of stages that no longer
-  exist go; then at most one member per project moves, from a stage with two members or more, and only one
-  that has served its stage for REBALANCE_MIN_STAY_SECONDS (no ping-pong). Into a stage without members
-  (the one with the most ready units) goes the member whose leaving costs the least capacity; else the one
-  move that raises the smallest stage capacity (members' summed speed over the stage's FLOPs per step, the
-  stage that bounds the swarm's throughput) by REBALANCE_GAIN at least. Ready-unit queues are not the signal:
-  each step begins with all of stage 0's forward units ready, however well the stages are served. Units in
-  flight are not interrupted: a moved device finishes them, and its next units are its new stage's.
+- **Rebalancing** (beat, `pipelines_rebalance`): memberships of departed devices, of devices whose volunteer's
+  preferences no longer allow the project and of stages that no longer exist go; then at most one member per
+  project moves, from a stage with two members or more, and only one that has served its stage for
+  REBALANCE_MIN_STAY_SECONDS (no ping-pong). Into a stage without members (the one with the most ready units)
+  goes the member whose leaving costs the least capacity; else the one move that raises the smallest stage
+  capacity (members' summed speed over the stage's FLOPs per step, the stage that bounds the swarm's
+  throughput) by REBALANCE_GAIN at least. Ready-unit queues are not the signal: each step begins with all of
+  stage 0's forward units ready, however well the stages are served. Units in flight are not interrupted: a
+  moved device finishes them, and its next units are its new stage's.
 Each question here is one or two indexed queries. The scheduler's own condition adds three EXISTS on the
 member table's (project, device) and (project, stage) indexes to its one query, which data-parallel units
 never run (their first term decides; EXPLAIN ANALYZE shows the subplans "never executed").
@@ -56,6 +57,8 @@ from django.utils import timezone
 from engine.spec import MAX_IN_FLIGHT
 from projects.models import Project, Result, StageMember, WorkUnit
 from projects.stages import project_partition, unit_flops
+from workers.models import Device
+from workers.preferences import devices_allowing
 
 ROUTE_HOLD_SECONDS = 10.0
 REBALANCE_GAIN = 0.2  # a move must raise the smallest stage capacity by this fraction (speeds are noisy)
@@ -246,7 +249,7 @@ def pipeline_rebalance(*, project_id: int) -> int:
     project = Project.objects.get(pk=project_id)
     loads = [stage.step_flops for stage in project_partition(project=project).stages]
     with transaction.atomic():
-        gone = Q(device__disconnected_at__isnull=False) | Q(stage__gte=len(loads))
+        gone = Q(device__disconnected_at__isnull=False) | Q(stage__gte=len(loads)) | _refusing(project_id)
         StageMember.objects.filter(Q(project=project) & gone).delete()
         members = list(
             StageMember.objects.select_for_update(no_key=True, of=("self",))
@@ -261,6 +264,13 @@ def pipeline_rebalance(*, project_id: int) -> int:
         member.stage, member.joined_at = stage, timezone.now()
         member.save(update_fields=["stage", "joined_at"])
     return 1
+
+
+def _refusing(project_id: int) -> Q:
+    """Members whose volunteer's preferences no longer allow the project (changed since they joined): they
+    never ask for its units again, and routing held units for them."""
+    members = Device.objects.filter(stage_memberships__project_id=project_id)
+    return ~Q(device__in=devices_allowing(devices=members, project_id=project_id))
 
 
 def _move(

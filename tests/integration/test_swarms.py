@@ -24,6 +24,7 @@ from tests.integration.test_pipeline_mode import (
 )
 from workers.liveness import devices_depart, devices_sweep
 from workers.models import CreditEntry, Device
+from workers.preferences import preferences_save
 from workers.services import device_register
 
 Crew = list[tuple[User, Device]]
@@ -151,6 +152,27 @@ def test_a_held_unit_goes_to_any_member_once_the_hold_is_over(researcher: User, 
     ready.update(created_at=timezone.now() - timedelta(seconds=swarms.ROUTE_HOLD_SECONDS + 1))
     taken = offer(slow)
     assert taken is not None and stage_of(slow, project) == 0
+
+
+@pytest.mark.django_db
+def test_a_member_whose_volunteer_no_longer_allows_the_project_leaves_its_stage(
+    researcher: User, digits_dataset: Any
+) -> None:
+    """A volunteer who turns the project off in their preferences never asks for its units again: routing
+    held units for their device until the rebalancer dropped it; the other member then gets them at once."""
+    project = fed(pipeline_project(researcher, digits_dataset, micro_batches=1))
+    slow, fast = crew("slow", "fast")
+    join(project, slow, 0, speed_gflops=10.0)
+    join(project, fast, 0, speed_gflops=100.0)
+    assert offer(slow) is None  # held for the faster member
+    volunteer = fast[0].volunteer
+    preferences_save(
+        volunteer=volunteer, device=None, values={"projects": "except"}, chosen_projects=[project.pk]
+    )
+    assert swarms.pipeline_rebalance(project_id=project.pk) == 0
+    assert (stage_of(fast, project), stage_of(slow, project)) == (None, 0)
+    taken = offer(slow)
+    assert taken is not None and taken.work_unit.stage == 0
 
 
 @pytest.mark.django_db
