@@ -168,13 +168,13 @@ def _connected_devices(*, project_id: int) -> list[Device]:
 
 
 def _connected(*, project_id: int) -> QuerySet[Device]:
-    """The connected devices whose volunteer is not held back and whose preferences allow the project: in a
-    multi-project server, counting those that chose another project planned units nobody here would take
-    (computed late as leftovers by others, or the round closed by its time)."""
+    """The connected devices not paused, whose volunteer is not held back and whose preferences allow the
+    project: in a multi-project server, counting those that chose another project planned units nobody here
+    would take (computed late as leftovers by others, or the round closed by its time)."""
     now = timezone.now()
-    devices = Device.objects.filter(disconnected_at__isnull=True, forgotten_at__isnull=True).exclude(
-        volunteer__no_work_until__gt=now
-    )
+    devices = Device.objects.filter(
+        disconnected_at__isnull=True, forgotten_at__isnull=True, paused_at__isnull=True
+    ).exclude(volunteer__no_work_until__gt=now)
     return devices_allowing(devices=devices, project_id=project_id)
 
 

@@ -38,7 +38,7 @@ from workers.preferences import DEFAULTS, Preferences, preferences_effective
 from workers.presence import PRESENCE
 from workers.protocol import ProtocolError, ResultMeta
 from workers.ring import RelayMeta, RingMixin
-from workers.services import device_disconnect, device_hello
+from workers.services import device_disconnect, device_hello, device_pause
 from workers.signalling import SignallingMixin
 
 logger = logging.getLogger(__name__)
@@ -269,6 +269,10 @@ class VolunteerConsumer(SignallingMixin, RingMixin, AsyncWebsocketConsumer):  # 
         self.assigned.difference_update(held)
         if held:
             await self._release(held)
+
+    async def on_pause(self, message: protocol.Pause) -> None:
+        assert self.device is not None  # greeted
+        await database_sync_to_async(device_pause)(device_id=self.device.pk, paused=message.paused)
 
     async def on_bye(self, message: protocol.Bye) -> None:
         await self.close()

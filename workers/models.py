@@ -162,6 +162,10 @@ class Device(RecentCredit, models.Model):
     )
     connected_at = models.DateTimeField(default=timezone.now, help_text="Start of the latest connection.")
     disconnected_at = models.DateTimeField(null=True, blank=True)
+    # Connected but paused by its volunteer's preferences (a hidden tab, a battery, typing) for longer than
+    # the browser waits before giving back unstarted work (protocol `pause`): crowd rounds are not planned
+    # for it. Cleared when it resumes and at every hello (a new page starts unpaused).
+    paused_at = models.DateTimeField(null=True, blank=True)
     # The channel name of its current connection (the latest hello's): the departure of an older one noticed
     # after that hello must not disconnect it (7,158 of 9,980 live devices were shown disconnected, issue 15).
     connection = models.CharField(max_length=100, blank=True, default="")
@@ -200,6 +204,7 @@ class Device(RecentCredit, models.Model):
         the browser's fresh description."""
         self.online_ms = self.connected_ms(now=now)
         self.connected_at, self.disconnected_at, self.connection = now, None, connection
+        self.paused_at = None
         self.backend, self.gflops, self.user_agent = backend, gflops, user_agent[:300]
 
     def disconnect(self, *, now: datetime) -> None:

@@ -124,6 +124,13 @@ class Release(_Schema):
     work_units: Annotated[list[Count], Field(min_length=1, max_length=spec.MAX_IN_FLIGHT)]
 
 
+class Pause(_Schema):
+    """The browser's pause began (it lasted long enough to give back unstarted work) or ended."""
+
+    type: Literal["pause"]
+    paused: bool
+
+
 class Bye(_Schema):
     type: Literal["bye"]
 
@@ -156,13 +163,14 @@ class Relay(_Schema):
     missing: bool = False
 
 
-ClientMessage = Hello | Ready | Progress | ResultMessage | Release | Bye | Signal | Fetch | Relay
+ClientMessage = Hello | Ready | Progress | ResultMessage | Release | Pause | Bye | Signal | Fetch | Relay
 SCHEMAS: dict[str, type[ClientMessage]] = {
     "hello": Hello,
     "ready": Ready,
     "progress": Progress,
     "result": ResultMessage,
     "release": Release,
+    "pause": Pause,
     "bye": Bye,
     "signal": Signal,
     "fetch": Fetch,

@@ -315,6 +315,12 @@ def _device_key(*, volunteer: Volunteer, client_id: str | None, backend: str) ->
     return f"unknown:{backend if backend in KNOWN_BACKENDS else 'other'}"
 
 
+def device_pause(*, device_id: int, paused: bool) -> None:
+    """The device's browser reported a lasting pause, or its end: crowd rounds are planned without it
+    meanwhile (projects.lifecycle._connected)."""
+    Device.objects.filter(pk=device_id).update(paused_at=timezone.now() if paused else None)
+
+
 def device_disconnect(*, device_id: int, connection: str | None = None) -> None:
     """The device's connection ended: disconnected, and it serves no pipeline stage any more. Given the
     connection that ended, only if that one is still the device's current one (not a newer tab's)."""

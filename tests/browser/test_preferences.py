@@ -18,6 +18,7 @@ from tests.browser.pages import contribute_html
 
 pytestmark = [pytest.mark.browser, pytest.mark.slow]
 codecs = pytest.importorskip("engine.codecs")
+protocol = pytest.importorskip("workers.protocol")
 presets = pytest.importorskip("engine.presets")
 ws_server = pytest.importorskip("websockets.sync.server")
 
@@ -185,6 +186,7 @@ def test_the_duty_cycle_is_kept_between_work_units(contribute: Any) -> None:
 
 def test_a_hidden_tab_stops_training_within_one_work_unit_and_resumes_when_shown(contribute: Any) -> None:
     wait_for_steps(contribute, 3)
+    pauses_before = len(contribute.server.messages("pause"))
     contribute.evaluate(HIDE, True)
     hidden_at = time.monotonic()
     contribute.wait_for_function("() => document.title === '⏸ Paused (hidden) — Crowdtrain'")
@@ -198,6 +200,10 @@ def test_a_hidden_tab_stops_training_within_one_work_unit_and_resumes_when_shown
         time.sleep(0.2)
     released = contribute.server.messages("release")
     assert released and released[0][0] - hidden_at >= 9, released
+    # ... and the server is told the device is paused, so that no crowd round is planned for it meanwhile.
+    paused = contribute.server.messages("pause")[pauses_before:]
+    assert [msg for _, msg in paused] == [{"type": "pause", "paused": True}] and paused[0][0] - hidden_at >= 9
+    assert protocol.parse_message(json.dumps(paused[0][1])) == protocol.Pause(type="pause", paused=True)
     assert results() <= at_hide + 1
     ended = len(steps(contribute))
     time.sleep(2)
@@ -207,6 +213,7 @@ def test_a_hidden_tab_stops_training_within_one_work_unit_and_resumes_when_shown
     contribute.wait_for_function("() => document.title === '▶ Training Digits MLP — Crowdtrain'")
     wait_for_steps(contribute, ended + 2)
     assert not contribute.is_visible("#pause-reason")
+    assert [msg["paused"] for _, msg in contribute.server.messages("pause")[pauses_before:]] == [True, False]
 
 
 @pytest.mark.parametrize("contribute", [{"pause_when_hidden": False}], indirect=True)

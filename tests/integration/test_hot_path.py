@@ -18,7 +18,7 @@ from projects import lifecycle, training, validation
 from projects.models import DatasetShard, ModelVersion, Project, Result, WorkUnit
 from workers.models import Volunteer
 from workers.preferences import preferences_effective, preferences_save
-from workers.services import device_register
+from workers.services import device_pause, device_register
 
 pytestmark = pytest.mark.django_db
 
@@ -353,6 +353,17 @@ def test_a_crowd_round_is_planned_for_the_devices_that_may_take_its_units(
     assert WorkUnit.objects.filter(project=project).count() == 2
     served = [lifecycle.work_unit_assign(user=u, device=u.volunteer.devices.get()) for u in here]
     assert all(result and fits[0] <= result.work_unit.count <= fits[1] for result in served)
+
+
+def test_a_crowd_round_is_not_planned_for_paused_devices(mlp_project: Project) -> None:
+    """A browser paused for a while (a hidden tab, a battery) says so (`pause`): it would take no unit."""
+    project = _crowd_averaging(mlp_project)
+    working, paused = _late_comer(project, "working", 10), _late_comer(project, "paused", 10)
+    device_pause(device_id=paused.volunteer.devices.get().pk, paused=True)
+    lifecycle.work_units_feed(project_id=project.pk)
+    fits = project.work_unit_samples(gflops=10.5 * project.flops_per_sample / 1e9, seconds=40)
+    assert project.current_version().round_target == fits
+    assert lifecycle.work_unit_assign(user=working, device=working.volunteer.devices.get()) is not None
 
 
 def test_late_comers_who_chose_another_project_do_not_grow_the_round(

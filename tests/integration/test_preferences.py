@@ -188,6 +188,35 @@ def test_a_waiting_browser_gets_work_once_its_preferences_allow_it(
     async_to_sync(scenario)()
 
 
+def test_a_lasting_pause_is_recorded_until_it_ends_or_the_page_says_hello_again(volunteer_user: User) -> None:
+    """`pause` marks the device paused (crowd rounds are planned without it) and unpaused; a new page's hello
+    starts it unpaused. A malformed one is refused and changes nothing (each refusal is also the point at
+    which the frames before it were handled)."""
+    paused_at = database_sync_to_async(lambda: Device.objects.get(volunteer__user=volunteer_user).paused_at)
+
+    async def told(communicator: Any, paused: bool) -> None:
+        await communicator.send_to(text_data=json.dumps({"type": "pause", "paused": paused}))
+        for bad in ({"type": "pause"}, {"type": "pause", "paused": "yes"}, {"type": "pause", "paused": None}):
+            reply = await send(communicator, bad)
+            assert reply["type"] == "error" and reply["code"] == "bad_message", bad
+
+    async def scenario() -> None:
+        communicator = await greet(volunteer_user)
+        assert await paused_at() is None
+        await told(communicator, True)
+        assert await paused_at() is not None
+        await told(communicator, False)
+        assert await paused_at() is None
+        await told(communicator, True)
+        await communicator.disconnect()
+        assert await paused_at() is not None  # disconnected and paused: neither is planned for
+        communicator = await greet(volunteer_user)
+        assert await paused_at() is None
+        await communicator.disconnect()
+
+    async_to_sync(scenario)()
+
+
 def test_released_work_goes_back_at_once_and_only_what_the_connection_holds(
     mlp_project: Project, volunteer_user: User, other_volunteer: User
 ) -> None:

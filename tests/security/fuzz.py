@@ -197,6 +197,7 @@ def templates(unit: int) -> list[dict[str, Any]]:
         {"type": "ready"},
         {"type": "progress", "work_unit": unit, "fraction": 0.5},
         result(unit),
+        {"type": "pause", "paused": True},
         {"type": "bye"},
     ]
 
@@ -272,7 +273,7 @@ class Frames:
     def random_json(self) -> Frame:
         value = self.random_value(self.rng.randint(0, 12))
         if isinstance(value, dict) and self.rng.random() < 0.5:
-            value["type"] = self.rng.choice(["hello", "ready", "progress", "result", "bye"])
+            value["type"] = self.rng.choice(["hello", "ready", "progress", "result", "pause", "bye"])
         return Frame("random_json", text=dumps(value))
 
     def wrong_field(self) -> Frame:

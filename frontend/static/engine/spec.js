@@ -581,6 +581,7 @@
       "progress",
       "result",
       "release",
+      "pause",
       "bye",
       "signal",
       "fetch",

@@ -4,8 +4,8 @@
 // allows at most MAX_IN_FLIGHT work units per connection.
 // Computing preferences (from `welcome`, and live from `preferences`): the worker rests between units for
 // the duty cycle; this page pauses it while the tab is hidden, on battery, or while the volunteer uses the
-// page, and gives back (`release`) work it has not started when a pause lasts. Every text shown comes from
-// the template's #contribute-strings (translated there).
+// page, and gives back (`release`) work it has not started when a pause lasts, telling the server (`pause`).
+// Every text shown comes from the template's #contribute-strings (translated there).
 // Pipeline mode: a stage unit's activation or gradient from the volunteer of the adjacent stage comes over
 // the peer ring when the project uses it (ring.js PayloadRing: from the peer, else relayed by the server),
 // before the unit goes to the worker; what this page's units send by the ring it keeps for its consumers.
@@ -65,6 +65,7 @@
       engineSince: null, computeMs: 0, weightsByDelta: 0, shareTimer: null, // for the share of time spent computing
       preferences: DEFAULT_PREFERENCES,
       pause: null, pausedSince: null, releaseTimer: null, // why the worker is paused, since when
+      pauseReported: false, // the server was told of a lasting pause (`pause`): no round is planned for us
       restUntil: 0, restTimer: null, askTimer: null, // the duty cycle's rest (this page's clock)
       idle: null, // the reason of the latest `idle`, until work comes
       project: null, // the latest work unit's project {id, name, why}
@@ -259,6 +260,7 @@
       if (!reason) {
         clearTimeout(s.releaseTimer);
         s.pausedSince = null;
+        reportPause(false);
         log(t("log_resumed"));
         askForWork();
       } else {
@@ -269,8 +271,10 @@
   }
 
   function releaseUnstarted() {
+    if (!s.pause) return;
+    reportPause(true);
     const ids = [...s.inFlight.keys()].filter((id) => !s.started.has(id));
-    if (!s.pause || !ids.length) return;
+    if (!ids.length) return;
     for (const id of ids) {
       s.inFlight.delete(id);
       s.cancelled.add(id);
@@ -278,6 +282,12 @@
     }
     if (send({ type: "release", work_units: ids })) log(t("log_released", { ids: ids.join(", ") }));
     showWork();
+  }
+
+  // A pause that lasts (or its end) is told to the server, which plans crowd rounds without this device
+  // meanwhile; short ones (a few seconds of typing) are not worth a message.
+  function reportPause(paused) {
+    if (s.pauseReported !== paused && send({ type: "pause", paused })) s.pauseReported = paused;
   }
 
   // Cheap on every mouse move: only the first input of a pause changes anything; the check that ends the
@@ -414,6 +424,8 @@
     welcome(msg) {
       s.retries = 0; // not at open: a server that accepts and then drops sockets still gets backed off from
       s.welcomed = true;
+      s.pauseReported = false; // a hello starts the device unpaused on the server
+      if (s.pause && performance.now() - s.pausedSince >= RELEASE_AFTER_MS) reportPause(true);
       flushOutbox();
       askForWork(); // at open it waited if results were queued (askForWork sends those first)
       if (msg.volunteer) {
