@@ -272,7 +272,9 @@ class VolunteerConsumer(SignallingMixin, RingMixin, AsyncWebsocketConsumer):  # 
 
     async def on_pause(self, message: protocol.Pause) -> None:
         assert self.device is not None  # greeted
-        await database_sync_to_async(device_pause)(device_id=self.device.pk, paused=message.paused)
+        await database_sync_to_async(device_pause)(
+            device_id=self.device.pk, paused=message.paused, connection=self.channel_name
+        )
 
     async def on_bye(self, message: protocol.Bye) -> None:
         await self.close()

@@ -315,10 +315,12 @@ def _device_key(*, volunteer: Volunteer, client_id: str | None, backend: str) ->
     return f"unknown:{backend if backend in KNOWN_BACKENDS else 'other'}"
 
 
-def device_pause(*, device_id: int, paused: bool) -> None:
+def device_pause(*, device_id: int, paused: bool, connection: str) -> None:
     """The device's browser reported a lasting pause, or its end: crowd rounds are planned without it
-    meanwhile (projects.lifecycle._connected)."""
-    Device.objects.filter(pk=device_id).update(paused_at=timezone.now() if paused else None)
+    meanwhile (projects.lifecycle._connected). Only from its current connection (the latest hello's): a
+    hidden older tab of the same browser does not pause the one computing."""
+    devices = Device.objects.filter(pk=device_id, connection=connection)
+    devices.update(paused_at=timezone.now() if paused else None)
 
 
 def device_disconnect(*, device_id: int, connection: str | None = None) -> None:

@@ -359,7 +359,8 @@ def test_a_crowd_round_is_not_planned_for_paused_devices(mlp_project: Project) -
     """A browser paused for a while (a hidden tab, a battery) says so (`pause`): it would take no unit."""
     project = _crowd_averaging(mlp_project)
     working, paused = _late_comer(project, "working", 10), _late_comer(project, "paused", 10)
-    device_pause(device_id=paused.volunteer.devices.get().pk, paused=True)
+    device = paused.volunteer.devices.get()
+    device_pause(device_id=device.pk, paused=True, connection=device.connection)
     lifecycle.work_units_feed(project_id=project.pk)
     fits = project.work_unit_samples(gflops=10.5 * project.flops_per_sample / 1e9, seconds=40)
     assert project.current_version().round_target == fits

@@ -210,9 +210,14 @@ def test_a_lasting_pause_is_recorded_until_it_ends_or_the_page_says_hello_again(
         await told(communicator, True)
         await communicator.disconnect()
         assert await paused_at() is not None  # disconnected and paused: neither is planned for
-        communicator = await greet(volunteer_user)
+        communicator, newer = await greet(volunteer_user), await greet(volunteer_user)  # one device, 2 tabs
         assert await paused_at() is None
+        await told(communicator, True)  # the older tab's: the newer one computes
+        assert await paused_at() is None
+        await told(newer, True)
+        assert await paused_at() is not None
         await communicator.disconnect()
+        await newer.disconnect()
 
     async_to_sync(scenario)()
 
