@@ -216,6 +216,29 @@ def test_a_hidden_tab_stops_training_within_one_work_unit_and_resumes_when_shown
     assert [msg["paused"] for _, msg in contribute.server.messages("pause")[pauses_before:]] == [True, False]
 
 
+def test_a_paused_page_that_reconnects_tells_the_server_again(contribute: Any) -> None:
+    """A hello starts the device unpaused on the server, so a page still paused says so again."""
+    wait_for_steps(contribute, 2)
+    contribute.evaluate(HIDE, True)
+    wait_for_messages(contribute, "pause", 1)
+    hellos = len(contribute.server.messages("hello"))
+    contribute.server.ws.close()
+    wait_for_messages(contribute, "pause", 2)
+    pauses, again = contribute.server.messages("pause"), contribute.server.messages("hello")[hellos:]
+    assert [msg for _, msg in pauses] == [{"type": "pause", "paused": True}] * 2
+    assert again and pauses[1][0] > again[0][0]  # on the new connection, after its hello
+    contribute.evaluate(HIDE, False)
+    wait_for_messages(contribute, "pause", 3)
+    assert contribute.server.messages("pause")[2][1]["paused"] is False
+
+
+def wait_for_messages(page: Any, kind: str, count: int, seconds: float = 30) -> None:
+    deadline = time.monotonic() + seconds
+    while len(page.server.messages(kind)) < count and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert len(page.server.messages(kind)) >= count, page.server.messages(kind)
+
+
 @pytest.mark.parametrize("contribute", [{"pause_when_hidden": False}], indirect=True)
 def test_a_hidden_tab_keeps_training_when_the_volunteer_says_so(contribute: Any) -> None:
     wait_for_steps(contribute, 2)
