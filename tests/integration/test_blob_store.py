@@ -1,5 +1,5 @@
 """Blobs in an S3-compatible bucket (projects/blob_store.py, STORAGES["blobs"] = django-storages' S3Storage)
-against a real S3 HTTP server in its own process: moto's server mode (`moto_server`). Stored, read, served
+against a real S3-compatible server in its own process: SeaweedFS (devstack/s3.py). Stored, read, served
 by daphne's blob server, read by another process with another BLOB_ROOT (another machine), collected and
 swept like local files, and never swept while a blob_put of the same bytes is uploading."""
 
@@ -33,7 +33,7 @@ pytestmark = pytest.mark.django_db(transaction=True)  # the blob server and the 
 
 @pytest.fixture(scope="module")
 def s3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3Server]:
-    with S3Server(tmp_path_factory.mktemp("moto") / "moto.log") as server:
+    with S3Server(tmp_path_factory.mktemp("seaweedfs") / "s3.log") as server:
         yield server
 
 
