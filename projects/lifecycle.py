@@ -40,7 +40,7 @@ from projects import notify, stages, swarms
 from projects.blobs import blob_put, blobs_put
 from projects.datasets import shard_position
 from projects.models import DatasetShard, ModelVersion, Project, Result, WorkUnit
-from projects.shares import shares_order, usage_charge
+from projects.shares import Order, device_fractions, shares_order, usage_charge
 from workers import fitting
 from workers.models import Device, DeviceDownload, Volunteer
 from workers.preferences import Preferences, devices_allowing, preferences_effective
@@ -135,36 +135,43 @@ def _round_plan(*, project: Project, version: ModelVersion) -> int:
     once, when first fed (version.round_target), so that volunteers joining mid-round do not hold it open."""
     if not project.crowd_rounds or project.mode == Project.Mode.ASYNC_SGD:
         return project.batch_size
-    devices = _connected_devices(project_id=project.pk)
+    connected = _connected(project_id=project.pk)
+    devices = list(connected.only("observed_gflops", "gflops", "start_ms"))
     units = max(math.ceil(project.round_samples / project.batch_size), len(devices))
     if project.mode != Project.Mode.AVERAGING:
         # Sync keeps the researcher's round_samples as the live target, so a change mid-round still applies.
         return math.ceil(project.round_samples / units)
-    sizes = _device_units(project=project, devices=devices, units=units)
+    fractions = device_fractions(project_id=project.pk, devices=connected)
+    sizes = _device_units(project=project, devices=devices, units=units, fractions=fractions)
     if version.round_target is None:
         version.round_target = sum(sizes)
         version.save(update_fields=["round_target"])
     return max(sizes)
 
 
-def _device_units(*, project: Project, devices: list[Device], units: int) -> list[int]:
+def _device_units(
+    *, project: Project, devices: list[Device], units: int, fractions: dict[int, float]
+) -> list[int]:
     """Samples of each of the round's `units`: one per connected device, taking target_seconds on that
-    device less the time it takes to start (Device.start_ms), so that a fleet whose speeds spread 10x
+    device less the time it takes to start (Device.start_ms), times the fraction of its time the project's
+    resource share gives it (shares.device_fractions: 1 unless other running projects share the device, whose
+    own rounds take the rest of that time), so that a fleet whose speeds spread 10x
     finishes its round together (Hivemind's rule) instead of fast devices waiting for slow ones given the
     median's unit. The feeder cuts units of the largest size and _send gives each device the front that fits
     its speed. Units beyond the devices (one volunteer computes several in turn) take the median device's
     size; with no device connected, batch_size: a speed guessed for nobody planned a first round no real
     fleet finished before its timeout (once units could hold the whole training split), whereas a small one
     closes at once and the next is planned for who came."""
-    sized = [max(project.batch_size, _device_unit_samples(project=project, device=d, age=0)) for d in devices]
+    sized = [
+        max(
+            project.batch_size,
+            _device_unit_samples(project=project, device=d, age=0, share=fractions.get(d.pk)),
+        )
+        for d in devices
+    ]
     speeds = [device.speed_gflops() for device in devices]
     typical = max(project.batch_size, project.work_unit_samples(gflops=median(speeds))) if speeds else 0
     return sized + [max(project.batch_size, typical)] * (units - len(sized))
-
-
-def _connected_devices(*, project_id: int) -> list[Device]:
-    """Every device connected now that may take the project's work (their speeds and start times only)."""
-    return list(_connected(project_id=project_id).only("observed_gflops", "gflops", "start_ms"))
 
 
 def _connected(*, project_id: int) -> QuerySet[Device]:
@@ -193,7 +200,10 @@ def _joiners_feed(*, project: Project, version: ModelVersion) -> int:
     waiting = _without_a_unit(version=version, project_id=project.pk)
     if not any(device.connected_at > version.created_at for device in waiting):
         return 0  # the round was planned for them all, those that never take one of its units too
-    sizes = [_device_unit_samples(project=project, device=d, age=age) for d in waiting]
+    fractions = device_fractions(project_id=project.pk, devices=_connected(project_id=project.pk))
+    sizes = [
+        _device_unit_samples(project=project, device=d, age=age, share=fractions.get(d.pk)) for d in waiting
+    ]
     size = min(max(project.batch_size, *sizes), project.dataset.train_samples)
     cursor, missing = project.data_cursor, sum(sizes) - _unsent(version)
     created = _round_create(project=project, version=version, size=size, missing=missing)
@@ -296,15 +306,22 @@ def work_unit_offer(
             user=user,
             preferences=preferences,
             limits=limits,
-            order=order,
+            order=order.ids,
             device_id=device.pk if device else None,
         )
         if work_unit is None:
             return Offer(None, why)
+        share = order.fraction(project_id=work_unit.project_id, allows=preferences.allows)
         result = _send(
-            work_unit=work_unit, samples=samples, user=user, volunteer=volunteer, device=device, limits=limits
+            work_unit=work_unit,
+            samples=samples,
+            user=user,
+            volunteer=volunteer,
+            device=device,
+            limits=limits,
+            share=share,
         )
-        why = _why_chosen(work_unit=work_unit, user=user, preferences=preferences, running=len(order))
+        why = _why_chosen(work_unit=work_unit, user=user, preferences=preferences, running=len(order.ids))
         # Last: every assignment charges the project's usage row, which then stays locked until the commit.
         usage_charge(project_id=work_unit.project_id, flops=stages.unit_flops(work_unit=work_unit))
         return Offer(result, why)
@@ -329,7 +346,7 @@ class _Batch:
     which of them each volunteer of the batch holds an instance of already. What its sends change is written
     once (write): at its end, or before a search that reads it."""
 
-    order: list[int]
+    order: Order
     units: dict[int, WorkUnit]
     complete: bool  # every open unit nobody else has locked is listed: what is not here, no search finds
     held: set[tuple[int, int]]  # (work unit, volunteer)
@@ -401,12 +418,12 @@ def _volunteers(*, users: list[User]) -> dict[int, Volunteer]:
     return found
 
 
-def _batch_for(*, order: list[int], requests: list[OfferRequest]) -> _Batch:
+def _batch_for(*, order: Order, requests: list[OfferRequest]) -> _Batch:
     """Two open units per request at most (a unit wanted twice, a volunteer holding one already), locked
     (SKIP LOCKED: another process's batch takes the next ones) until the batch commits; and the rows of
     today of as many devices as the list has instances for (the others most likely find none left)."""
     rank = Case(
-        *(When(project_id=pk, then=Value(i)) for i, pk in enumerate(order)), default=Value(len(order))
+        *(When(project_id=pk, then=Value(i)) for i, pk in enumerate(order.ids)), default=Value(len(order.ids))
     )
     limit = 2 * len(requests)
     units = list(
@@ -445,7 +462,8 @@ def _batch_offer(*, request: OfferRequest, volunteer: Volunteer, batch: _Batch) 
     if work_unit is None:
         return _batch_search(request=request, volunteer=volunteer, batch=batch, limits=limits)
     count = work_unit.count
-    _sending(work_unit=work_unit, samples=samples, volunteer=volunteer, device=device)
+    share = batch.order.fraction(project_id=work_unit.project_id, allows=request.preferences.allows)
+    _sending(work_unit=work_unit, samples=samples, volunteer=volunteer, device=device, share=share)
     if limits.today is not None:
         fitting.download_count(today=limits.today, work_unit=work_unit)
     result = Result(work_unit=work_unit, volunteer=request.user, device=device, deadline=_deadline())
@@ -461,13 +479,19 @@ def _batch_search(
     user, device = request.user, request.device
     device_id = device.pk if device else None
     work_unit, samples, why = _fitting_work_unit(
-        user=user, preferences=request.preferences, limits=limits, order=batch.order, device_id=device_id
+        user=user, preferences=request.preferences, limits=limits, order=batch.order.ids, device_id=device_id
     )
     if work_unit is None:
         return Offer(None, why)
     count = work_unit.count
     result = _send(
-        work_unit=work_unit, samples=samples, user=user, volunteer=volunteer, device=device, limits=limits
+        work_unit=work_unit,
+        samples=samples,
+        user=user,
+        volunteer=volunteer,
+        device=device,
+        limits=limits,
+        share=batch.order.fraction(project_id=work_unit.project_id, allows=request.preferences.allows),
     )
     return _batch_sent(request=request, result=result, batch=batch, split=work_unit.count < count)
 
@@ -481,7 +505,7 @@ def _batch_sent(*, request: OfferRequest, result: Result, batch: _Batch, split: 
         work_unit=result.work_unit,
         user=request.user,
         preferences=request.preferences,
-        running=len(batch.order),
+        running=len(batch.order.ids),
     )
     return Offer(result, why)
 
@@ -554,8 +578,10 @@ def _send(
     volunteer: Volunteer,
     device: Device | None,
     limits: fitting.Limits,
+    share: float | None,
 ) -> Result:
-    _sending(work_unit=work_unit, samples=samples, volunteer=volunteer, device=device)
+    """`share`: the fraction of its time the device gives the unit's project (shares.Order.fraction)."""
+    _sending(work_unit=work_unit, samples=samples, volunteer=volunteer, device=device, share=share)
     if device is not None:
         fitting.download_record(device=device, work_unit=work_unit, today=limits.today)
     work_unit.save(update_fields=SENT_FIELDS)
@@ -565,9 +591,11 @@ def _send(
 SENT_FIELDS = ["wanted", "total_results", "count", "target_results", "min_quorum", "spot_check"]
 
 
-def _sending(*, work_unit: WorkUnit, samples: int, volunteer: Volunteer, device: Device | None) -> None:
+def _sending(
+    *, work_unit: WorkUnit, samples: int, volunteer: Volunteer, device: Device | None, share: float | None
+) -> None:
     """What one more instance sent changes in its work unit's row (SENT_FIELDS), not written yet."""
-    speed = _device_samples(work_unit=work_unit, device=device) if device else samples
+    speed = _device_samples(work_unit=work_unit, device=device, share=share) if device else samples
     _split_to_fit(work_unit=work_unit, samples=min(samples, speed))
     work_unit.wanted -= 1
     work_unit.total_results += 1
@@ -578,18 +606,22 @@ def _deadline() -> datetime:
     return timezone.now() + timedelta(seconds=settings.CROWDTRAIN["WORK_UNIT_DEADLINE_SECONDS"])
 
 
-def _device_samples(*, work_unit: WorkUnit, device: Device) -> int:
+def _device_samples(*, work_unit: WorkUnit, device: Device, share: float | None) -> int:
     """What the device computes in the time a unit sent now should take (Project.unit_seconds)."""
     age = (timezone.now() - work_unit.version.created_at).total_seconds()
-    return _device_unit_samples(project=work_unit.project, device=device, age=age)
+    return _device_unit_samples(project=work_unit.project, device=device, age=age, share=share)
 
 
-def _device_unit_samples(*, project: Project, device: Device, age: float) -> int:
+def _device_unit_samples(*, project: Project, device: Device, age: float, share: float | None = None) -> int:
     """What the device computes in a unit sent `age` seconds into its round: the round is that much older
     when the device starts computing it, after its downloads. Planned from the sending alone, units that must
     end with their round ended as late as their downloads took (up to 2.1 s at 64 volunteers, and the round
-    waited for them)."""
+    waited for them). `share`: the fraction of its time the device gives a crowd averaging round's project
+    when others share it (shares.Order.fraction): at most that fraction of the round, so that it has the
+    rest for theirs, and once it has computed theirs, the rest of the round for this one."""
     seconds = project.unit_seconds(round_age=age + device.start_seconds())
+    if share is not None and project.crowd_rounds and project.mode == Project.Mode.AVERAGING:
+        seconds = min(seconds, share * project.target_seconds)
     return project.work_unit_samples(gflops=device.speed_gflops(), seconds=seconds)
 
 

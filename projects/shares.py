@@ -19,13 +19,18 @@ any.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
 from datetime import datetime
 
 from django.conf import settings
 from django.db import connection, transaction
+from django.db.models import QuerySet
 from django.utils import timezone
 
 from projects.models import Project, ProjectUsage
+from workers.models import Device
+from workers.preferences import devices_allowing
 
 
 def decayed(*, flops: float, since: datetime, now: datetime) -> float:
@@ -34,8 +39,28 @@ def decayed(*, flops: float, since: datetime, now: datetime) -> float:
     return flops * 0.5 ** (age / float(settings.CROWDTRAIN["SHARE_HALF_LIFE_SECONDS"]))
 
 
-def shares_order() -> list[int]:
-    """Ids of the running projects, furthest below their resource share first."""
+@dataclass(frozen=True)
+class Order:
+    """The running projects, furthest below their resource share first (`ids`), and their `shares`."""
+
+    ids: list[int]
+    shares: dict[int, int]
+
+    def fraction(self, *, project_id: int, allows: Callable[[int], bool]) -> float | None:
+        """The fraction of a device's time this order gives a project, of the running projects the device
+        `allows` (its preferences): the project's share over theirs, as the order hands a device's requests
+        to each in proportion to its share. A crowd round planned for whole devices that two projects
+        shared ran twice its target_seconds. None (the whole device) when no other project it allows has a
+        share, or when this one has none: it gets only what the others leave. Per device, where the order
+        balances the whole fleet: a device only one project may use gives it more when the others lean on
+        the devices they share."""
+        own = self.shares.get(project_id, 0)
+        total = sum(share for pk, share in self.shares.items() if share and allows(pk))
+        return own / total if own and total > own else None
+
+
+def shares_order() -> Order:
+    """The running projects, furthest below their resource share first."""
     now = timezone.now()
     rows = Project.objects.filter(status=Project.Status.RUNNING).values_list(
         "pk", "resource_share", "usage__recent_flops", "usage__updated_at"
@@ -49,7 +74,28 @@ def shares_order() -> list[int]:
         )
         for pk, share, flops, at in rows
     ]
-    return [pk for *_, pk in sorted(ranked)]
+    return Order(ids=[pk for *_, pk in sorted(ranked)], shares={pk: share for pk, share, *_ in rows})
+
+
+def device_fractions(*, project_id: int, devices: QuerySet[Device]) -> dict[int, float]:
+    """{device id: Order.fraction} for each of `devices` (which allow the project) that gives the project
+    less than all its time, in SQL (workers.preferences.devices_allowing) rather than from each device's
+    preferences: a query per running project with a share, none when this project runs alone."""
+    order = shares_order()
+    if order.fraction(project_id=project_id, allows=lambda pk: True) is None:
+        return {}
+    shared = [pk for pk, share in order.shares.items() if share]
+    allowing = {pk: _ids(devices_allowing(devices=devices, project_id=pk)) for pk in shared}
+    fractions: dict[int, float] = {}
+    for device_id in allowing[project_id]:
+        allowed = {pk for pk in shared if device_id in allowing[pk]}
+        if (share := order.fraction(project_id=project_id, allows=allowed.__contains__)) is not None:
+            fractions[device_id] = share
+    return fractions
+
+
+def _ids(devices: QuerySet[Device]) -> set[int]:
+    return set(devices.values_list("pk", flat=True))
 
 
 def _per_share(*, flops: float, share: int) -> float:

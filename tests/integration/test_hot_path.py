@@ -16,6 +16,7 @@ from django.utils import timezone
 
 from projects import lifecycle, training, validation
 from projects.models import DatasetShard, ModelVersion, Project, Result, WorkUnit
+from projects.services import project_pause
 from workers.models import Volunteer
 from workers.preferences import preferences_effective, preferences_save
 from workers.services import device_pause, device_register
@@ -330,8 +331,8 @@ def test_devices_connected_before_the_round_began_do_not_grow_it(mlp_project: Pr
     assert WorkUnit.objects.filter(project=project).count() == units
 
 
-def _elsewhere(user: User, project_id: int) -> None:
-    """The volunteer chose only another project."""
+def _choosing_only(user: User, project_id: int) -> None:
+    """The volunteer chose only that project."""
     preferences_save(
         volunteer=user.volunteer, device=None, values={"projects": "only"}, chosen_projects=[project_id]
     )
@@ -344,8 +345,10 @@ def test_a_crowd_round_is_planned_for_the_devices_that_may_take_its_units(
     planned for them had units nobody here would take (computed late as leftovers, or closed by its time)."""
     project = _crowd_averaging(mlp_project)
     here = [_late_comer(project, f"here-{i}", 10) for i in range(2)]
+    for user in here:  # theirs whole (a device the other project may use too gives it its share of time)
+        _choosing_only(user, project.pk)
     for i in range(3):
-        _elsewhere(_late_comer(project, f"elsewhere-{i}", 10), second_project.pk)
+        _choosing_only(_late_comer(project, f"elsewhere-{i}", 10), second_project.pk)
     lifecycle.work_units_feed(project_id=project.pk)
     gflops = 10.5 * project.flops_per_sample / 1e9
     fits = [project.work_unit_samples(gflops=gflops, seconds=s) for s in (39, 40)]  # (the test's second)
@@ -353,6 +356,77 @@ def test_a_crowd_round_is_planned_for_the_devices_that_may_take_its_units(
     assert WorkUnit.objects.filter(project=project).count() == 2
     served = [lifecycle.work_unit_assign(user=u, device=u.volunteer.devices.get()) for u in here]
     assert all(result and fits[0] <= result.work_unit.count <= fits[1] for result in served)
+
+
+def _shared_fleet(project: Project, other: Project) -> tuple[list[User], User]:
+    """Two devices any running project may use, and one whose volunteer chose only `project`."""
+    shared = [_late_comer(project, f"shared-{i}", 10) for i in range(2)]
+    only = _late_comer(project, "only-here", 10)
+    _choosing_only(only, project.pk)
+    _choosing_only(_late_comer(project, "only-there", 10), other.pk)
+    return shared, only
+
+
+@pytest.mark.parametrize(("other_share", "shared_seconds"), [(100, 20), (300, 10), (0, 40)])
+def test_a_crowd_round_plans_the_time_its_share_gives_it_on_devices_other_projects_use(
+    mlp_project: Project, second_project: Project, other_share: int, shared_seconds: int
+) -> None:
+    """The fair-share order gives each running project a device's time in proportion to its resource
+    share: a round planned for the whole of devices another project also ran waited for them twice as
+    long with two equal shares. A share of 0 takes only what the others leave: nothing off the plan."""
+    Project.objects.filter(pk=second_project.pk).update(resource_share=other_share)
+    project = _crowd_averaging(mlp_project)
+    shared, only = _shared_fleet(project, second_project)
+    lifecycle.work_units_feed(project_id=project.pk)
+    fits = lambda s: project.work_unit_samples(gflops=10.5 * project.flops_per_sample / 1e9, seconds=s)  # noqa: E731
+    assert project.current_version().round_target == 2 * fits(shared_seconds) + fits(40)
+    for user in shared:
+        result = lifecycle.work_unit_assign(user=user, device=user.volunteer.devices.get())
+        assert result is not None and fits(shared_seconds - 1) <= result.work_unit.count <= fits(
+            shared_seconds
+        )
+
+
+@pytest.mark.parametrize(("age", "seconds"), [(10, 20), (25, 15), (35, 10)])
+def test_a_device_another_project_uses_is_sent_its_share_of_the_round_or_the_rest_of_it(
+    mlp_project: Project, second_project: Project, age: int, seconds: int
+) -> None:
+    """Its share of the round (20 of 40 s), or less if less is left: once it has computed the other
+    project's unit, the rest of the round is this one's."""
+    project = _crowd_averaging(mlp_project)
+    shared, _ = _shared_fleet(project, second_project)
+    lifecycle.work_units_feed(project_id=project.pk)
+    _round_started(project, seconds_ago=age)
+    result = lifecycle.work_unit_assign(user=shared[0], device=shared[0].volunteer.devices.get())
+    fits = lambda s: project.work_unit_samples(gflops=10.5 * project.flops_per_sample / 1e9, seconds=s)  # noqa: E731
+    assert result is not None and fits(seconds - 1) <= result.work_unit.count <= fits(seconds)
+
+
+def test_a_crowd_round_counts_whole_devices_once_the_other_project_stops(
+    mlp_project: Project, second_project: Project
+) -> None:
+    project_pause(project=second_project)
+    project = _crowd_averaging(mlp_project)
+    _shared_fleet(project, second_project)
+    lifecycle.work_units_feed(project_id=project.pk)
+    fits = project.work_unit_samples(gflops=10.5 * project.flops_per_sample / 1e9, seconds=40)
+    assert project.current_version().round_target == 3 * fits
+
+
+def test_a_late_comer_another_project_may_use_joins_for_its_share_of_the_rest(
+    mlp_project: Project, second_project: Project
+) -> None:
+    project = _crowd_averaging(mlp_project)
+    first = _late_comer(project, "first", 100)  # its unit: the whole training split, so nothing is left
+    _choosing_only(first, project.pk)
+    lifecycle.work_units_feed(project_id=project.pk)
+    assert lifecycle.work_unit_assign(user=first, device=first.volunteer.devices.get()) is not None
+    target = project.current_version().round_target
+    _round_started(project, seconds_ago=10)  # 30 s left, and this project's share of a round is 20 s
+    _late_comer(project, "late-shared", 10)
+    assert lifecycle.work_units_feed(project_id=project.pk) == 1
+    fits = project.work_unit_samples(gflops=10.5 * project.flops_per_sample / 1e9, seconds=20)
+    assert project.current_version().round_target - target == fits
 
 
 def test_a_crowd_round_is_not_planned_for_paused_devices(mlp_project: Project) -> None:
@@ -376,7 +450,7 @@ def test_late_comers_who_chose_another_project_do_not_grow_the_round(
     assert lifecycle.work_unit_assign(user=first, device=first.volunteer.devices.get()) is not None
     target = project.current_version().round_target
     _round_started(project, seconds_ago=5)
-    _elsewhere(_late_comer(project, "late-elsewhere", 10), second_project.pk)
+    _choosing_only(_late_comer(project, "late-elsewhere", 10), second_project.pk)
     assert lifecycle.work_units_feed(project_id=project.pk) == 0
     assert project.current_version().round_target == target
     _late_comer(project, "late-here", 10)

@@ -24,7 +24,7 @@ from devstack.stack import Stack
 from projects import lifecycle
 from projects.models import Dataset, Project, ProjectUsage, Result, WorkUnit
 from projects.services import TRAINING_SETTINGS, project_create, project_start
-from projects.shares import decayed, shares_order, usage_charge, usage_split
+from projects.shares import Order, decayed, shares_order, usage_charge, usage_split
 from tests.conftest import run_async
 from workers.simulator import Simulator, SimulatorConfig, SimulatorStats
 
@@ -77,7 +77,7 @@ def test_the_project_owed_most_without_work_does_not_hold_the_others_up(
     two_projects: tuple[Project, Project],
 ) -> None:
     small, large = two_projects
-    assert shares_order()[0] == large.pk  # nothing sent yet: ties broken by share
+    assert shares_order().ids[0] == large.pk  # nothing sent yet: ties broken by share
     WorkUnit.objects.filter(project=large).update(status=WorkUnit.Status.CANCELLED)
     result = lifecycle.work_unit_assign(user=volunteers(1)[0])
     assert result is not None and result.work_unit.project_id == small.pk
@@ -92,6 +92,31 @@ def test_a_zero_share_gets_work_only_when_no_other_project_has_any(
     assert all(lifecycle.work_unit_assign(user=user).work_unit.project_id == large.pk for _ in range(5))  # type: ignore[union-attr]
     WorkUnit.objects.filter(project=large).update(status=WorkUnit.Status.CANCELLED)
     assert lifecycle.work_unit_assign(user=user).work_unit.project_id == small.pk  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize(
+    ("project_id", "allowed", "fraction"),
+    [
+        (1, {1, 2, 3}, 0.25),  # 100 of the 400 the device's projects share
+        (2, {1, 2, 3}, 0.75),
+        (1, {1, 3}, None),  # the other project it allows has no share: it takes what is left
+        (1, {1}, None),
+        (3, {1, 2, 3}, None),  # no share: it gets what the others leave, so nothing is planned off it
+        (4, {1, 2, 3, 4}, None),  # not running
+    ],
+)
+def test_a_devices_fraction_is_the_projects_share_of_the_shares_it_allows(
+    project_id: int, allowed: set[int], fraction: float | None
+) -> None:
+    order = Order(ids=[2, 1, 3], shares={1: 100, 2: 300, 3: 0})
+    assert order.fraction(project_id=project_id, allows=allowed.__contains__) == fraction
+
+
+def test_shares_order_carries_the_running_projects_shares(two_projects: tuple[Project, Project]) -> None:
+    small, large = two_projects
+    paused = second_project(small.owner, small.dataset, name="Paused")
+    Project.objects.filter(pk=paused.pk).update(status=Project.Status.PAUSED, resource_share=50)
+    assert shares_order() == Order(ids=[large.pk, small.pk], shares={small.pk: 100, large.pk: 300})
 
 
 def test_recent_compute_decays_with_the_half_life(settings: Any) -> None:
