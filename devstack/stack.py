@@ -153,7 +153,7 @@ class Stack:
         return env
 
     def manage(self, *args: str) -> None:
-        subprocess.run([PYTHON, "manage.py", *args], cwd=ROOT, env=self.env(), check=True)
+        subprocess.run([PYTHON, "manage.py", *args], cwd=self.root, env=self.env(), check=True)
 
     def manage_all(self, *commands: tuple[str, ...]) -> None:
         """Several management commands, in order, in one process: each manage.py process spends seconds
@@ -244,7 +244,7 @@ class Stack:
         log = (self.var_dir / f"{name}.log").open("wb")
         self.processes[name] = subprocess.Popen(
             [*(["nice", "-n", str(nice)] if nice else []), PYTHON, *args],
-            cwd=ROOT,
+            cwd=self.root,
             env=self.env(),
             stdout=log,
             stderr=subprocess.STDOUT,

@@ -195,7 +195,11 @@ def main() -> None:
             trees["before"] = measure(args, path, "before")
     trees["after"] = measure(args, ROOT, "after")
     config = {k: getattr(args, k) for k in ("volunteers", "seconds", "warmup", "target_seconds")}
-    result = {"config": {**config, "samples_per_second": args.samples_per_second}, "trees": trees}
+    revs = {
+        "before_rev": None if args.no_before else args.before_rev,
+        "samples_per_second": args.samples_per_second,
+    }
+    result = {"config": {**config, **revs}, "trees": trees}
     print(table(result))
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text(json.dumps(result, indent=1) + "\n")

@@ -85,31 +85,14 @@ def parser() -> argparse.ArgumentParser:
 # --- the stack, from any checkout -------------------------------------------------------------------------
 
 
-@dataclass
-class TreeStack(Stack):
-    """devstack's Stack, its processes run from `root` (another checkout's code, with this .venv)."""
-
-    root: Path = ROOT
-
-    def manage(self, *args: str) -> None:
-        subprocess.run([PYTHON, "manage.py", *args], cwd=self.root, env=self.env(), check=True)
-
-    def _spawn(self, name: str, *args: str, nice: int = 0) -> None:
-        log = (self.var_dir / f"{name}.log").open("wb")
-        argv = [*(["nice", "-n", str(nice)] if nice else []), PYTHON, *args]
-        self.processes[name] = subprocess.Popen(
-            argv, cwd=self.root, env=self.env(), stdout=log, stderr=subprocess.STDOUT
-        )
-
-
-def stack_for(args: argparse.Namespace, root: Path, var_dir: Path, label: str) -> TreeStack:
+def stack_for(args: argparse.Namespace, root: Path, var_dir: Path, label: str) -> Stack:
     extra = {
         # One address (this machine) for every volunteer: the per-address throttle would refuse them.
         "CROWDTRAIN_WS_CONNECTS_PER_MINUTE_IP": "100000",
         "CROWDTRAIN_BASELINE_MAX_FLOPS_PER_SAMPLE": "0",  # no one-CPU baseline training beside the run
         "DJANGO_DEBUG": "0",  # as in production: DEBUG keeps every query's SQL and time in memory
     }
-    return TreeStack(
+    return Stack(
         var_dir=var_dir,
         database=f"{args.database}_{label}",
         redis_db=args.redis_db,
@@ -168,7 +151,7 @@ def session_cookies(database_url: str, n: int) -> list[str]:
     return keys
 
 
-def shard_cache(stack: TreeStack, project_id: int) -> dict[str, bytes]:
+def shard_cache(stack: Stack, project_id: int) -> dict[str, bytes]:
     """The demo's training shards by URL: volunteers at steady state hold them (immutable blobs, cached by the
     browser), as the scaling benchmark's do; a first download of 3 MB each by 256 fresh volunteers would
     otherwise fill the measured window. Weights, new every version, are downloaded as usual."""
@@ -222,7 +205,7 @@ def process_cpu(pid: int) -> float:
     return 0.0
 
 
-def snapshot(stack: TreeStack, project_id: int) -> Snapshot:
+def snapshot(stack: Stack, project_id: int) -> Snapshot:
     name = stack.database_url.rsplit("/", 1)[1]
     with psycopg.connect(stack.database_url, autocommit=True) as conn:
         counts = conn.execute(
@@ -272,7 +255,7 @@ def window(a: Snapshot, b: Snapshot) -> dict[str, Any]:
     }
 
 
-def demo_project(stack: TreeStack) -> int:
+def demo_project(stack: Stack) -> int:
     """The MLP demo, the only running project."""
     with psycopg.connect(stack.database_url, autocommit=True) as conn:
         row = conn.execute("SELECT id FROM projects_project WHERE name = %s", (DEMO,)).fetchone()
@@ -281,7 +264,7 @@ def demo_project(stack: TreeStack) -> int:
     return int(row[0])
 
 
-def trust_everyone(stack: TreeStack) -> None:
+def trust_everyone(stack: Stack) -> None:
     """Past any trust_threshold: spot checks at the project's rate for trusted volunteers."""
     with psycopg.connect(stack.database_url, autocommit=True) as conn:
         conn.execute("UPDATE workers_volunteer SET consecutive_valid = 1000000 WHERE consecutive_invalid = 0")
@@ -290,7 +273,7 @@ def trust_everyone(stack: TreeStack) -> None:
 # --- py-spy -------------------------------------------------------------------------------------------------
 
 
-def profile(stack: TreeStack, label: str, seconds: float) -> dict[str, str]:
+def profile(stack: Stack, label: str, seconds: float) -> dict[str, str]:
     """py-spy on daphne, the worker and the validator at once; each one's top frames, written to a file."""
     spy = Path(PYTHON).with_name("py-spy")
     raw = {p: Path(tempfile.mkstemp(suffix=f"-{p}.txt")[1]) for p in PROFILED}
@@ -321,7 +304,7 @@ def frame_key(frame: str) -> str:
     return re.sub(r":\d+\)$", ")", frame)
 
 
-def sample_queries(stack: TreeStack, label: str, seconds: float, period: float = 0.02) -> str:
+def sample_queries(stack: Stack, label: str, seconds: float, period: float = 0.02) -> str:
     """pg_stat_activity sampled every `period` s (pg_stat_statements needs a server restart to load): the
     statements the stack's backends were running, literals stripped, by share of the samples."""
     name = stack.database_url.rsplit("/", 1)[1]
@@ -381,7 +364,7 @@ def top_frames(collapsed: str, *, title: str, top: int = 30) -> str:
 
 
 async def measure_n(
-    stack: TreeStack, project_id: int, sims: list[Any], args: argparse.Namespace
+    stack: Stack, project_id: int, sims: list[Any], args: argparse.Namespace
 ) -> dict[str, Any]:
     tasks = [asyncio.create_task(s.run()) for s in sims]
     await asyncio.sleep(min(5.0, args.warmup))
@@ -405,9 +388,7 @@ async def measure_n(
     return row
 
 
-async def curve(
-    stack: TreeStack, project_id: int, args: argparse.Namespace, label: str
-) -> list[dict[str, Any]]:
+async def curve(stack: Stack, project_id: int, args: argparse.Namespace, label: str) -> list[dict[str, Any]]:
     ns = [int(n) for n in args.volunteers.split(",")]
     keys = await asyncio.to_thread(session_cookies, stack.database_url, max(ns))
     pool = concurrent.futures.ThreadPoolExecutor(max(ns) + 8)
@@ -424,7 +405,7 @@ async def curve(
 
 
 async def profile_under_load(
-    stack: TreeStack, project_id: int, label: str, args: argparse.Namespace
+    stack: Stack, project_id: int, label: str, args: argparse.Namespace
 ) -> dict[str, str]:
     """The same N again, sampled by py-spy (outside the measured window: py-spy costs CPU itself)."""
     keys = await asyncio.to_thread(session_cookies, stack.database_url, args.profile)

@@ -13,7 +13,7 @@ import psycopg
 import pytest
 
 from benchmarks.server import throughput
-from devstack.stack import ROOT
+from devstack.stack import ROOT, Stack
 
 VOLUNTEERS = 64
 # After the run: more accepted results, or more aggregated ones, than a work unit wanted.
@@ -24,7 +24,7 @@ OVER_ACCEPTED = """
 
 
 @pytest.fixture
-def stack(tmp_path: Path) -> Iterator[throughput.TreeStack]:
+def stack(tmp_path: Path) -> Iterator[Stack]:
     args = throughput.parser().parse_args(["--database", "crowdtrain_throughput_test", "--redis-db", "12"])
     with throughput.stack_for(args, ROOT, tmp_path, "test") as running:
         yield running
@@ -32,7 +32,7 @@ def stack(tmp_path: Path) -> Iterator[throughput.TreeStack]:
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_64_volunteers_on_the_real_stack_cause_no_deadlock(stack: throughput.TreeStack) -> None:
+def test_64_volunteers_on_the_real_stack_cause_no_deadlock(stack: Stack) -> None:
     throughput.django_ready()
     args = throughput.parser().parse_args(
         ["--volunteers", str(VOLUNTEERS), "--seconds", "20", "--warmup", "10"]
