@@ -311,15 +311,14 @@ def work_unit_offer(
         )
         if work_unit is None:
             return Offer(None, why)
-        share = order.fraction(project_id=work_unit.project_id, allows=preferences.allows)
+        request = OfferRequest(user=user, preferences=preferences, device=device, memory_mb=memory_mb)
         result = _send(
             work_unit=work_unit,
             samples=samples,
-            user=user,
+            request=request,
             volunteer=volunteer,
-            device=device,
             limits=limits,
-            share=share,
+            order=order,
         )
         why = _why_chosen(work_unit=work_unit, user=user, preferences=preferences, running=len(order.ids))
         # Last: every assignment charges the project's usage row, which then stays locked until the commit.
@@ -487,11 +486,10 @@ def _batch_search(
     result = _send(
         work_unit=work_unit,
         samples=samples,
-        user=user,
+        request=request,
         volunteer=volunteer,
-        device=device,
         limits=limits,
-        share=batch.order.fraction(project_id=work_unit.project_id, allows=request.preferences.allows),
+        order=batch.order,
     )
     return _batch_sent(request=request, result=result, batch=batch, split=work_unit.count < count)
 
@@ -574,18 +572,18 @@ def _send(
     *,
     work_unit: WorkUnit,
     samples: int,
-    user: User,
+    request: OfferRequest,
     volunteer: Volunteer,
-    device: Device | None,
     limits: fitting.Limits,
-    share: float | None,
+    order: Order,
 ) -> Result:
-    """`share`: the fraction of its time the device gives the unit's project (shares.Order.fraction)."""
+    device = request.device
+    share = order.fraction(project_id=work_unit.project_id, allows=request.preferences.allows)
     _sending(work_unit=work_unit, samples=samples, volunteer=volunteer, device=device, share=share)
     if device is not None:
         fitting.download_record(device=device, work_unit=work_unit, today=limits.today)
     work_unit.save(update_fields=SENT_FIELDS)
-    return _instance(work_unit=work_unit, user=user, device=device, deadline=_deadline())
+    return _instance(work_unit=work_unit, user=request.user, device=device, deadline=_deadline())
 
 
 SENT_FIELDS = ["wanted", "total_results", "count", "target_results", "min_quorum", "spot_check"]

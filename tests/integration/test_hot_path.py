@@ -421,12 +421,12 @@ def test_a_late_comer_another_project_may_use_joins_for_its_share_of_the_rest(
     _choosing_only(first, project.pk)
     lifecycle.work_units_feed(project_id=project.pk)
     assert lifecycle.work_unit_assign(user=first, device=first.volunteer.devices.get()) is not None
-    target = project.current_version().round_target
+    target = project.current_version().round_target or 0
     _round_started(project, seconds_ago=10)  # 30 s left, and this project's share of a round is 20 s
     _late_comer(project, "late-shared", 10)
     assert lifecycle.work_units_feed(project_id=project.pk) == 1
     fits = project.work_unit_samples(gflops=10.5 * project.flops_per_sample / 1e9, seconds=20)
-    assert project.current_version().round_target - target == fits
+    assert (project.current_version().round_target or 0) - target == fits
 
 
 def test_a_crowd_round_is_not_planned_for_paused_devices(mlp_project: Project) -> None:
