@@ -198,7 +198,7 @@ def _joiners_feed(*, project: Project, version: ModelVersion) -> int:
     if not project.round_open_to_joiners(round_age=age) or not _planned_for_devices(project, version):
         return 0
     waiting = _without_a_unit(version=version, project_id=project.pk)
-    if not any(device.connected_at > version.created_at for device in waiting):
+    if not any(device.available_since() > version.created_at for device in waiting):
         return 0  # the round was planned for them all, those that never take one of its units too
     fractions = device_fractions(project_id=project.pk, devices=_connected(project_id=project.pk))
     sizes = [
@@ -222,7 +222,7 @@ def _without_a_unit(*, version: ModelVersion, project_id: int) -> list[Device]:
     `version`."""
     sent = Result.objects.filter(work_unit__version=version, device=OuterRef("pk"))
     devices = _connected(project_id=project_id).filter(~Exists(sent))
-    return list(devices.only("observed_gflops", "gflops", "start_ms", "connected_at"))
+    return list(devices.only("observed_gflops", "gflops", "start_ms", "connected_at", "resumed_at"))
 
 
 def _unsent(version: ModelVersion) -> int:

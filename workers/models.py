@@ -166,6 +166,9 @@ class Device(RecentCredit, models.Model):
     # the browser waits before giving back unstarted work (protocol `pause`): crowd rounds are not planned
     # for it. Cleared when it resumes and at every hello (a new page starts unpaused).
     paused_at = models.DateTimeField(null=True, blank=True)
+    # When such a pause last ended: a device that resumed after its crowd round was planned was left out of
+    # it, and joins it as one that connected since would (projects.lifecycle._joiners_feed).
+    resumed_at = models.DateTimeField(null=True, blank=True)
     # The channel name of its current connection (the latest hello's): the departure of an older one noticed
     # after that hello must not disconnect it (7,158 of 9,980 live devices were shown disconnected, issue 15).
     connection = models.CharField(max_length=100, blank=True, default="")
@@ -211,6 +214,10 @@ class Device(RecentCredit, models.Model):
         if self.disconnected_at is None:
             self.online_ms = self.connected_ms(now=now)
             self.disconnected_at = now
+
+    def available_since(self) -> datetime:
+        """Since when this device could take work: its connection, or the end of its latest lasting pause."""
+        return max(self.connected_at, self.resumed_at or self.connected_at)
 
     def speed_gflops(self) -> float:
         """Observed throughput once known; the browser's own benchmark until then."""

@@ -317,10 +317,14 @@ def _device_key(*, volunteer: Volunteer, client_id: str | None, backend: str) ->
 
 def device_pause(*, device_id: int, paused: bool, connection: str) -> None:
     """The device's browser reported a lasting pause, or its end: crowd rounds are planned without it
-    meanwhile (projects.lifecycle._connected). Only from its current connection (the latest hello's): a
+    meanwhile (projects.lifecycle._connected), and it joins the round it was left out of when the pause ends
+    (Device.resumed_at). Only from its current connection (the latest hello's): a
     hidden older tab of the same browser does not pause the one computing."""
-    devices = Device.objects.filter(pk=device_id, connection=connection)
-    devices.update(paused_at=timezone.now() if paused else None)
+    devices, now = Device.objects.filter(pk=device_id, connection=connection), timezone.now()
+    if paused:
+        devices.update(paused_at=now)
+    else:
+        devices.filter(paused_at__isnull=False).update(paused_at=None, resumed_at=now)
 
 
 def device_disconnect(*, device_id: int, connection: str | None = None) -> None:

@@ -17,7 +17,7 @@ from django.utils import timezone
 from projects import lifecycle, training, validation
 from projects.models import DatasetShard, ModelVersion, Project, Result, WorkUnit
 from projects.services import project_pause
-from workers.models import Volunteer
+from workers.models import Device, Volunteer
 from workers.preferences import preferences_effective, preferences_save
 from workers.services import device_pause, device_register
 
@@ -439,6 +439,51 @@ def test_a_crowd_round_is_not_planned_for_paused_devices(mlp_project: Project) -
     fits = project.work_unit_samples(gflops=10.5 * project.flops_per_sample / 1e9, seconds=40)
     assert project.current_version().round_target == fits
     assert lifecycle.work_unit_assign(user=working, device=working.volunteer.devices.get()) is not None
+
+
+def _connected_long_ago() -> None:
+    """Every device connected a minute ago: before any round the test plans."""
+    Device.objects.update(connected_at=timezone.now() - timedelta(minutes=1))
+
+
+def test_a_device_that_resumes_mid_round_joins_it(mlp_project: Project) -> None:
+    """Left out of the round's plan while it was paused, a device that resumes is owed work as one that
+    connected since would be: without it, it waited for the next round (or computed leftovers)."""
+    project = _crowd_averaging(mlp_project)
+    first = _late_comer(project, "first", 100)  # its unit: the whole training split, so nothing is left
+    resuming = _late_comer(project, "resuming", 10)
+    _connected_long_ago()
+    device = resuming.volunteer.devices.get()
+    device_pause(device_id=device.pk, paused=True, connection=device.connection)
+    lifecycle.work_units_feed(project_id=project.pk)
+    assert lifecycle.work_unit_assign(user=first, device=first.volunteer.devices.get()) is not None
+    target = project.current_version().round_target or 0
+    _round_started(project, seconds_ago=10)
+    assert lifecycle.work_units_feed(project_id=project.pk) == 0  # still paused
+    device_pause(device_id=device.pk, paused=False, connection=device.connection)
+    assert lifecycle.work_units_feed(project_id=project.pk) == 1
+    fits = project.work_unit_samples(gflops=10.5 * project.flops_per_sample / 1e9, seconds=30)
+    assert (project.current_version().round_target or 0) - target == fits
+    result = lifecycle.work_unit_assign(user=resuming, device=device)
+    assert result is not None and fits - 11 <= result.work_unit.count <= fits
+
+
+def test_a_device_that_resumed_before_the_round_was_planned_is_no_joiner(mlp_project: Project) -> None:
+    """The round was planned for it: its unit, computed by another, must not be planned again."""
+    project = _crowd_averaging(mlp_project)
+    working, resumed = _late_comer(project, "working", 10), _late_comer(project, "resumed", 10)
+    _connected_long_ago()
+    device = resumed.volunteer.devices.get()
+    device_pause(device_id=device.pk, paused=True, connection=device.connection)
+    device_pause(device_id=device.pk, paused=False, connection=device.connection)
+    ModelVersion.objects.filter(pk=project.current_version().pk).update(created_at=timezone.now())
+    lifecycle.work_units_feed(project_id=project.pk)
+    assert project.current_version().round_target == 2 * project.work_unit_samples(
+        gflops=10.5 * project.flops_per_sample / 1e9, seconds=40
+    )
+    assert lifecycle.work_unit_assign(user=working, device=working.volunteer.devices.get()) is not None
+    assert lifecycle.work_unit_assign(user=User.objects.create_user("no-device")) is not None
+    assert lifecycle.work_units_feed(project_id=project.pk) == 0
 
 
 def test_late_comers_who_chose_another_project_do_not_grow_the_round(

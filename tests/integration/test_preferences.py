@@ -193,6 +193,7 @@ def test_a_lasting_pause_is_recorded_until_it_ends_or_the_page_says_hello_again(
     starts it unpaused. A malformed one is refused and changes nothing (each refusal is also the point at
     which the frames before it were handled)."""
     paused_at = database_sync_to_async(lambda: Device.objects.get(volunteer__user=volunteer_user).paused_at)
+    resumed_at = database_sync_to_async(lambda: Device.objects.get(volunteer__user=volunteer_user).resumed_at)
 
     async def told(communicator: Any, paused: bool) -> None:
         await communicator.send_to(text_data=json.dumps({"type": "pause", "paused": paused}))
@@ -207,6 +208,10 @@ def test_a_lasting_pause_is_recorded_until_it_ends_or_the_page_says_hello_again(
         assert await paused_at() is not None
         await told(communicator, False)
         assert await paused_at() is None
+        resumed = await resumed_at()  # it joins the round it was left out of (lifecycle._joiners_feed)
+        assert resumed is not None
+        await told(communicator, False)  # not paused: nothing ended
+        assert await resumed_at() == resumed
         await told(communicator, True)
         await communicator.disconnect()
         assert await paused_at() is not None  # disconnected and paused: neither is planned for
