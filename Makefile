@@ -38,7 +38,7 @@ help:
 	@echo "make lint    ruff (lint and format), mypy (tests and benchmarks too) and eslint; part of make test"
 	@echo "make messages  update locale/*/django.po from the templates and code, and compile them (needs GNU gettext)"
 	@echo "make fuzz    the long protocol fuzz against the real stack (FUZZ_ARGS=\"--frames 100000 --minutes 30\")"
-	@echo "make bench-server  the server's costs (aggregation, work-unit throughput curve; before/after, ~20 min); results/server-*"
+	@echo "make bench-server  the server's costs (aggregation, work-unit throughput curve, two projects on one fleet; before/after, ~26 min); results/server-*"
 	@echo "make bench-sockets  one daphne: idle volunteers, a reconnect storm, mass close (~4 min); server-sockets.json"
 	@echo "make bench-pipeline  pipeline vs data parallel, emulated time (~2 min); benchmarks/results/pipeline.*"
 	@echo "make docker  docker compose up --build (production shape; needs .env, see platform/env.example)"
@@ -101,12 +101,16 @@ fuzz: setup-dev
 # Uses a scratch PostgreSQL database (BENCH_SERVER_ARGS="--database NAME", dropped and created anew).
 # Then the work-unit throughput curve on the real stack, main ("before", a temporary git worktree) and this
 # checkout side by side (~15 min; shorter: BENCH_THROUGHPUT_ARGS="--volunteers 8,64 --seconds 20 --no-before"):
-# benchmarks/results/server-throughput.json and .png.
+# benchmarks/results/server-throughput.json and .png. Last, two crowd averaging projects sharing one fleet of
+# simulated volunteers, their rounds' length against target_seconds (~6 min, before and after likewise;
+# BENCH_SHARED_FLEET_ARGS="--before-rev REV"): benchmarks/results/server-shared-fleet.json.
 BENCH_SERVER_ARGS ?=
 BENCH_THROUGHPUT_ARGS ?=
+BENCH_SHARED_FLEET_ARGS ?=
 bench-server: setup-dev
 	$(PY) -m benchmarks.server.run $(BENCH_SERVER_ARGS)
 	$(PY) -m benchmarks.server.throughput $(BENCH_THROUGHPUT_ARGS)
+	$(PY) -m benchmarks.server.shared_fleet $(BENCH_SHARED_FLEET_ARGS)
 
 # benchmarks/server/sockets.py: one daphne on the real stack, N idle volunteers, K simultaneous reconnects, all
 # closing at once (a few minutes; its own target so bench-server stays quick). Drops and creates its database.

@@ -3,11 +3,12 @@ long their rounds take, before and after rounds are planned for each device's sh
 
     .venv/bin/python -m benchmarks.server.shared_fleet [--volunteers 6] [--seconds 120] [--no-before]
 
-For each tree ("before": the base commit in a temporary `git worktree`; "after": this checkout), the real
-stack (daphne, the Celery worker, the validator and beat on PostgreSQL and Redis) runs two MNIST MLP projects
-on the demo's data, both averaging in crowd-sized rounds of --target-seconds, with equal resource shares,
-and N simulated volunteers (workers/simulator.py: the real protocol and real updates, each device emulated
-at the speed that computes --samples-per-second) who allow both. After a warm-up, over --seconds:
+For each tree ("before": --before-rev, or where this branch left main, in a temporary `git worktree`; "after":
+this checkout), the real stack (daphne, the Celery worker, the validator and beat on PostgreSQL and Redis)
+runs two MNIST MLP projects on the demo's data, both averaging in crowd-sized rounds of --target-seconds, with
+equal resource shares, and N simulated volunteers (workers/simulator.py: the real protocol and real updates,
+each device emulated at the speed that computes --samples-per-second) who allow both. After a warm-up, over
+--seconds:
 
 - each project's rounds: versions published, and the time between two versions (median, 90th percentile),
   against the target_seconds the platform plans each round for;
@@ -33,7 +34,7 @@ from typing import Any
 
 import psycopg
 
-from benchmarks.server.throughput import before_tree
+from benchmarks.server.throughput import base_commit, before_tree
 from devstack.stack import ROOT, Stack
 from workers.simulator import Simulator, SimulatorConfig, SimulatorStats
 
@@ -79,7 +80,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup", type=float, default=30, help="seconds before the window (default 30)")
     p.add_argument("--target-seconds", type=int, default=10, help="each project's target_seconds")
     p.add_argument("--samples-per-second", type=float, default=40, help="each emulated device's speed")
-    p.add_argument("--before-rev", default="HEAD~1", help="the 'before' commit (default HEAD~1)")
+    p.add_argument(
+        "--before-rev", default="", help="the 'before' commit (default: where this branch left main)"
+    )
     p.add_argument("--no-before", action="store_true", help="measure this checkout only")
     p.add_argument("--database", default="crowdtrain_shared_fleet_bench", help="scratch database (dropped)")
     p.add_argument("--redis-db", type=int, default=13, help="Redis database (flushed first)")
@@ -191,6 +194,7 @@ def main() -> None:
     args = parser().parse_args()
     trees: dict[str, dict[str, Any]] = {}
     if not args.no_before:
+        args.before_rev = args.before_rev or base_commit()
         with before_tree(args.before_rev) as path:
             trees["before"] = measure(args, path, "before")
     trees["after"] = measure(args, ROOT, "after")
