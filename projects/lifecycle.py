@@ -618,7 +618,7 @@ def _device_unit_samples(*, project: Project, device: Device, age: float, share:
     when others share it (shares.Order.fraction): at most that fraction of the round, so that it has the
     rest for theirs, and once it has computed theirs, the rest of the round for this one."""
     seconds = project.unit_seconds(round_age=age + device.start_seconds())
-    if share is not None and project.crowd_rounds and project.mode == Project.Mode.AVERAGING:
+    if share is not None and project.crowd_averaging:
         seconds = min(seconds, share * project.target_seconds)
     return project.work_unit_samples(gflops=device.speed_gflops(), seconds=seconds)
 

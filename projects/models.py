@@ -343,9 +343,14 @@ class Project(models.Model):
         return max(1, min(self.max_unit_samples, fits))
 
     @property
+    def crowd_averaging(self) -> bool:
+        """Averaging in crowd-sized rounds: a unit per device, sized to take target_seconds on it."""
+        return self.crowd_rounds and self.mode == self.Mode.AVERAGING
+
+    @property
     def rounds_overlap(self) -> bool:
         """overlap_rounds, where it applies: a round's units on the version before count in it too."""
-        return self.overlap_rounds and self.crowd_rounds and self.mode == self.Mode.AVERAGING
+        return self.overlap_rounds and self.crowd_averaging
 
     def unit_seconds(self, *, round_age: float) -> float:
         """How long a work unit sent `round_age` seconds into its round should take: target_seconds, except in
@@ -371,7 +376,7 @@ class Project(models.Model):
     def units_end_with_round(self) -> bool:
         """Does a unit sent during a round end with it (unit_seconds)? Then a device computing one has
         nothing more to do in that round (lifecycle._not_computing_its_round)."""
-        return self.crowd_rounds and self.mode == self.Mode.AVERAGING and not self.overlap_rounds
+        return self.crowd_averaging and not self.overlap_rounds
 
     @classmethod
     def units_end_with_round_q(cls, prefix: str = "") -> Q:
@@ -385,7 +390,7 @@ class Project(models.Model):
         allows, up to the training split (a unit reads on across shards, datasets.shard_slices), since
         batch_size would cap a small model at milliseconds. What a device's memory and download allow is
         fitting's business."""
-        if self.crowd_rounds and self.mode == self.Mode.AVERAGING:
+        if self.crowd_averaging:
             return max(self.batch_size, self.dataset.train_samples)
         return self.batch_size
 

@@ -62,8 +62,10 @@ class Order:
 def shares_order() -> Order:
     """The running projects, furthest below their resource share first."""
     now = timezone.now()
-    rows = Project.objects.filter(status=Project.Status.RUNNING).values_list(
-        "pk", "resource_share", "usage__recent_flops", "usage__updated_at"
+    rows = list(
+        Project.objects.filter(status=Project.Status.RUNNING).values_list(
+            "pk", "resource_share", "usage__recent_flops", "usage__updated_at"
+        )
     )
     ranked = [
         (

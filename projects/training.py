@@ -202,7 +202,7 @@ def round_close_samples(*, project: Project, current: ModelVersion) -> int:
     by design (Project.unit_seconds), and the last few percent (devices that lost seconds downloading, a
     leaver's unit sent again) would keep every device of the round waiting; what is still out is cancelled."""
     target = current.round_target or project.round_samples
-    if project.crowd_rounds and project.mode == Project.Mode.AVERAGING and current.round_target:
+    if project.crowd_averaging and current.round_target:
         return math.ceil(CROWD_CLOSE_SHARE * target)
     return target
 

@@ -358,6 +358,12 @@ def test_a_crowd_round_is_planned_for_the_devices_that_may_take_its_units(
     assert all(result and fits[0] <= result.work_unit.count <= fits[1] for result in served)
 
 
+def _fits(project: Project, seconds: float) -> int:
+    """Samples a _late_comer of 10 samples/s (10.5 counted, so that rounding never takes one off) computes
+    in `seconds`."""
+    return project.work_unit_samples(gflops=10.5 * project.flops_per_sample / 1e9, seconds=seconds)
+
+
 def _shared_fleet(project: Project, other: Project) -> tuple[list[User], User]:
     """Two devices any running project may use, and one whose volunteer chose only `project`."""
     shared = [_late_comer(project, f"shared-{i}", 10) for i in range(2)]
@@ -378,13 +384,11 @@ def test_a_crowd_round_plans_the_time_its_share_gives_it_on_devices_other_projec
     project = _crowd_averaging(mlp_project)
     shared, only = _shared_fleet(project, second_project)
     lifecycle.work_units_feed(project_id=project.pk)
-    fits = lambda s: project.work_unit_samples(gflops=10.5 * project.flops_per_sample / 1e9, seconds=s)  # noqa: E731
-    assert project.current_version().round_target == 2 * fits(shared_seconds) + fits(40)
+    assert project.current_version().round_target == 2 * _fits(project, shared_seconds) + _fits(project, 40)
     for user in shared:
         result = lifecycle.work_unit_assign(user=user, device=user.volunteer.devices.get())
-        assert result is not None and fits(shared_seconds - 1) <= result.work_unit.count <= fits(
-            shared_seconds
-        )
+        assert result is not None
+        assert _fits(project, shared_seconds - 1) <= result.work_unit.count <= _fits(project, shared_seconds)
 
 
 @pytest.mark.parametrize(("age", "seconds"), [(10, 20), (25, 15), (35, 10)])
@@ -398,8 +402,8 @@ def test_a_device_another_project_uses_is_sent_its_share_of_the_round_or_the_res
     lifecycle.work_units_feed(project_id=project.pk)
     _round_started(project, seconds_ago=age)
     result = lifecycle.work_unit_assign(user=shared[0], device=shared[0].volunteer.devices.get())
-    fits = lambda s: project.work_unit_samples(gflops=10.5 * project.flops_per_sample / 1e9, seconds=s)  # noqa: E731
-    assert result is not None and fits(seconds - 1) <= result.work_unit.count <= fits(seconds)
+    assert result is not None
+    assert _fits(project, seconds - 1) <= result.work_unit.count <= _fits(project, seconds)
 
 
 def test_a_crowd_round_counts_whole_devices_once_the_other_project_stops(
@@ -409,8 +413,7 @@ def test_a_crowd_round_counts_whole_devices_once_the_other_project_stops(
     project = _crowd_averaging(mlp_project)
     _shared_fleet(project, second_project)
     lifecycle.work_units_feed(project_id=project.pk)
-    fits = project.work_unit_samples(gflops=10.5 * project.flops_per_sample / 1e9, seconds=40)
-    assert project.current_version().round_target == 3 * fits
+    assert project.current_version().round_target == 3 * _fits(project, 40)
 
 
 def test_a_late_comer_another_project_may_use_joins_for_its_share_of_the_rest(
@@ -425,8 +428,7 @@ def test_a_late_comer_another_project_may_use_joins_for_its_share_of_the_rest(
     _round_started(project, seconds_ago=10)  # 30 s left, and this project's share of a round is 20 s
     _late_comer(project, "late-shared", 10)
     assert lifecycle.work_units_feed(project_id=project.pk) == 1
-    fits = project.work_unit_samples(gflops=10.5 * project.flops_per_sample / 1e9, seconds=20)
-    assert (project.current_version().round_target or 0) - target == fits
+    assert (project.current_version().round_target or 0) - target == _fits(project, 20)
 
 
 def test_a_crowd_round_is_not_planned_for_paused_devices(mlp_project: Project) -> None:
@@ -462,7 +464,7 @@ def test_a_device_that_resumes_mid_round_joins_it(mlp_project: Project) -> None:
     assert lifecycle.work_units_feed(project_id=project.pk) == 0  # still paused
     device_pause(device_id=device.pk, paused=False, connection=device.connection)
     assert lifecycle.work_units_feed(project_id=project.pk) == 1
-    fits = project.work_unit_samples(gflops=10.5 * project.flops_per_sample / 1e9, seconds=30)
+    fits = _fits(project, 30)
     assert (project.current_version().round_target or 0) - target == fits
     result = lifecycle.work_unit_assign(user=resuming, device=device)
     assert result is not None and fits - 11 <= result.work_unit.count <= fits
@@ -478,9 +480,7 @@ def test_a_device_that_resumed_before_the_round_was_planned_is_no_joiner(mlp_pro
     device_pause(device_id=device.pk, paused=False, connection=device.connection)
     ModelVersion.objects.filter(pk=project.current_version().pk).update(created_at=timezone.now())
     lifecycle.work_units_feed(project_id=project.pk)
-    assert project.current_version().round_target == 2 * project.work_unit_samples(
-        gflops=10.5 * project.flops_per_sample / 1e9, seconds=40
-    )
+    assert project.current_version().round_target == 2 * _fits(project, 40)
     assert lifecycle.work_unit_assign(user=working, device=working.volunteer.devices.get()) is not None
     assert lifecycle.work_unit_assign(user=User.objects.create_user("no-device")) is not None
     assert lifecycle.work_units_feed(project_id=project.pk) == 0
