@@ -297,6 +297,11 @@ class BlobCache:
 # --- Byzantine behaviours -----------------------------------------------------------------------------
 
 
+async def simulate_all(configs: list[SimulatorConfig]) -> list[SimulatorStats]:
+    """Every configured volunteer at once, each in its own Simulator; their stats in the same order."""
+    return list(await asyncio.gather(*(Simulator(c).run() for c in configs)))
+
+
 def _global_norm(tensors: Tensors) -> float:
     return sum(float((t.double() ** 2).sum()) for t in tensors.values()) ** 0.5
 

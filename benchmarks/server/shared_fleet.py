@@ -36,7 +36,7 @@ import psycopg
 
 from benchmarks.server.throughput import base_commit, before_tree
 from devstack.stack import ROOT, Stack
-from workers.simulator import Simulator, SimulatorConfig, SimulatorStats
+from workers.simulator import SimulatorConfig, SimulatorStats, simulate_all
 
 RESULTS = Path(__file__).resolve().parent.parent / "results"
 PASSWORD = "shared-fleet-pass-8642"
@@ -129,12 +129,8 @@ def run(args: argparse.Namespace, stack: Stack, conn: psycopg.Connection[Any]) -
     )
     configs = [replace(config, username=f"fleet-{i}", seed=i) for i in range(args.volunteers)]
     start = float(_one(conn, NOW)) + args.warmup
-    stats = asyncio.run(_crowd(configs))
+    stats = asyncio.run(simulate_all(configs))
     return summary(args, conn, start=start, stats=stats)
-
-
-async def _crowd(configs: list[SimulatorConfig]) -> list[SimulatorStats]:
-    return list(await asyncio.gather(*(Simulator(c).run() for c in configs)))
 
 
 def _one(conn: psycopg.Connection[Any], sql: str) -> Any:

@@ -4,7 +4,6 @@ scheduling queries, and no way for a researcher to change a share."""
 
 from __future__ import annotations
 
-import asyncio
 import os
 import time
 from datetime import timedelta
@@ -26,7 +25,7 @@ from projects.models import Dataset, Project, ProjectUsage, Result, WorkUnit
 from projects.services import TRAINING_SETTINGS, project_create, project_start
 from projects.shares import Order, decayed, shares_order, usage_charge, usage_split
 from tests.conftest import run_async
-from workers.simulator import Simulator, SimulatorConfig, SimulatorStats
+from workers.simulator import SimulatorConfig, simulate_all
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -250,10 +249,6 @@ LEFT JOIN workers_creditentry c ON c.project_id = p.id GROUP BY p.id ORDER BY p.
 UNITS_EACH = 35
 
 
-async def crowd(configs: list[SimulatorConfig]) -> list[SimulatorStats]:
-    return list(await asyncio.gather(*(Simulator(c).run() for c in configs)))
-
-
 @pytest.mark.slow
 @pytest.mark.timeout(1500)
 def test_credited_flops_follow_resource_shares_one_to_three(tmp_path: Path) -> None:
@@ -280,7 +275,7 @@ def test_credited_flops_follow_resource_shares_one_to_three(tmp_path: Path) -> N
             )
             for i in range(4)
         ]
-        stats = run_async(crowd(configs))
+        stats = run_async(simulate_all(configs))
         with psycopg.connect(stack.database_url, autocommit=True) as conn:
             deadline = time.monotonic() + 300  # judge the validation backlog, whatever the machine's load
             while conn.execute(UNJUDGED).fetchone() != (0,) and time.monotonic() < deadline:

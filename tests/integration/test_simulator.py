@@ -19,7 +19,7 @@ from websockets.typing import Origin
 
 from devstack.stack import Stack
 from tests.conftest import run_async
-from workers.simulator import Http, Simulator, SimulatorConfig, SimulatorError, SimulatorStats
+from workers.simulator import Http, Simulator, SimulatorConfig, SimulatorError, SimulatorStats, simulate_all
 
 pytestmark = pytest.mark.slow
 
@@ -44,10 +44,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
 
 
 def run(stack: Stack, *configs: SimulatorConfig, timeout: float = 240) -> list[SimulatorStats]:
-    async def all_of_them() -> list[SimulatorStats]:
-        return list(await asyncio.gather(*(Simulator(c).run() for c in configs)))
-
-    return run_async(asyncio.wait_for(all_of_them(), timeout))
+    return run_async(asyncio.wait_for(simulate_all(list(configs)), timeout))
 
 
 def volunteer(stack: Stack, name: str, **overrides: Any) -> SimulatorConfig:
