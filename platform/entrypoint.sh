@@ -8,7 +8,7 @@
 #   baseline a Celery worker for the one-CPU time-to-accuracy baselines only, at the lowest CPU priority
 #   beat     the Celery beat scheduler
 #   migrate  apply database migrations and exit
-#   release  migrate and collectstatic, then exit: once per deploy, before any web replica starts
+#   release  migrate, create the blobs' bucket if one is named and missing, collectstatic, then exit: once per deploy, before any web replica starts
 # Anything else is run as a command, e.g. `docker compose run --rm web manage.py createsuperuser`.
 set -eu
 cd /app
@@ -37,6 +37,7 @@ case "$role" in
         wait_for_db
         if [ "${CROWDTRAIN_RELEASE_ON_START:-true}" = true ]; then
             python manage.py migrate --noinput
+            python manage.py blob_bucket
             python manage.py collectstatic --noinput
         fi
         limit=$(( ${CROWDTRAIN_MAX_RESULT_BYTES:-134217728} + 1048576 ))  # results are single WebSocket frames
@@ -81,6 +82,7 @@ case "$role" in
     release)
         wait_for_db
         python manage.py migrate --noinput
+        python manage.py blob_bucket  # creates CROWDTRAIN_BLOB_BUCKET if missing; nothing for local blobs
         exec python manage.py collectstatic --noinput
         ;;
     manage.py)

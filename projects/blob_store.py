@@ -36,6 +36,28 @@ def remote() -> bool:
     return not isinstance(storages["blobs"], FileSystemStorage)
 
 
+def bucket_name() -> str:
+    return str(_storage().bucket_name)
+
+
+def bucket_ensure() -> bool:
+    """Create the blobs' bucket unless it exists (a new SeaweedFS or MinIO has none; the release step runs
+    this before any process stores a blob): True if it was created."""
+    bucket = bucket_name()
+    try:
+        _client().head_bucket(Bucket=bucket)
+        return False
+    except ClientError as exc:
+        if not _missing(exc):
+            raise  # e.g. 403: it exists and these keys may not see it, which creating would not mend
+    _client().create_bucket(Bucket=bucket)
+    return True
+
+
+def _missing(exc: ClientError) -> bool:
+    return exc.response.get("Error", {}).get("Code") in ("404", "NoSuchKey", "NotFound", "NoSuchBucket")
+
+
 def _storage() -> Any:  # django-storages' S3Storage (untyped)
     return storages["blobs"]
 
@@ -122,7 +144,7 @@ def _copy(source: str, target: str) -> bool:
     try:
         _client().copy({"Bucket": bucket, "Key": _key(source)}, bucket, _key(target))
     except ClientError as exc:
-        if exc.response.get("Error", {}).get("Code") in ("404", "NoSuchKey"):
+        if _missing(exc):
             return False
         raise
     return True
@@ -158,6 +180,6 @@ def _head(key: str) -> dict[str, Any] | None:
     try:
         return dict(_client().head_object(Bucket=_storage().bucket_name, Key=key))
     except ClientError as exc:
-        if exc.response.get("Error", {}).get("Code") in ("404", "NoSuchKey", "NotFound"):
+        if _missing(exc):
             return None
         raise

