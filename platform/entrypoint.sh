@@ -8,7 +8,8 @@
 #   baseline a Celery worker for the one-CPU time-to-accuracy baselines only, at the lowest CPU priority
 #   beat     the Celery beat scheduler
 #   migrate  apply database migrations and exit
-#   release  migrate, create the blobs' bucket if one is named and missing, collectstatic, then exit: once per deploy, before any web replica starts
+#   release  migrate, create the blobs' bucket if one is named and missing, collectstatic, then exit: once
+#            per deploy, before any web replica starts
 # Anything else is run as a command, e.g. `docker compose run --rm web manage.py createsuperuser`.
 set -eu
 cd /app
