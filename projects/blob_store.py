@@ -140,7 +140,7 @@ def discard(*, trash: str) -> None:
 
 def _copy(source: str, target: str) -> bool:
     """Server-side copy (multipart for large objects); False if there was nothing to copy."""
-    bucket = _storage().bucket_name
+    bucket = bucket_name()
     try:
         _client().copy({"Bucket": bucket, "Key": _key(source)}, bucket, _key(target))
     except ClientError as exc:
@@ -172,13 +172,13 @@ def _remove_if_orphan(key: str, before: datetime) -> bool:
         head = _head(key)
         if head is None or head["LastModified"] >= before:
             return False  # gone, or written again since it was listed
-        _client().delete_object(Bucket=_storage().bucket_name, Key=key)
+        _client().delete_object(Bucket=bucket_name(), Key=key)
     return True
 
 
 def _head(key: str) -> dict[str, Any] | None:
     try:
-        return dict(_client().head_object(Bucket=_storage().bucket_name, Key=key))
+        return dict(_client().head_object(Bucket=bucket_name(), Key=key))
     except ClientError as exc:
         if _missing(exc):
             return None

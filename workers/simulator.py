@@ -297,11 +297,6 @@ class BlobCache:
 # --- Byzantine behaviours -----------------------------------------------------------------------------
 
 
-async def simulate_all(configs: list[SimulatorConfig]) -> list[SimulatorStats]:
-    """Every configured volunteer at once, each in its own Simulator; their stats in the same order."""
-    return list(await asyncio.gather(*(Simulator(c).run() for c in configs)))
-
-
 def _global_norm(tensors: Tensors) -> float:
     return sum(float((t.double() ** 2).sum()) for t in tensors.values()) ** 0.5
 
@@ -927,3 +922,8 @@ class _Work:
         # No error feedback for attacks: a NaN residual could not even be quantised, and the attacker's
         # residual is irrelevant anyway.
         return codecs.encode(tamper(update, behaviour, self.sim.generator), self.unit.codec)
+
+
+async def simulate_all(configs: list[SimulatorConfig]) -> list[SimulatorStats]:
+    """Every configured volunteer at once, each in its own Simulator; their stats in the same order."""
+    return list(await asyncio.gather(*(Simulator(c).run() for c in configs)))
