@@ -20,12 +20,13 @@ import pytest
 from botocore.exceptions import ClientError
 from django.conf import settings
 from django.core.management import call_command
+from django.core.management.base import CommandError
 from django.db import connection, transaction
 from django.test import override_settings
 from django.utils import timezone
 
 from devstack.s3 import S3Server
-from devstack.stack import ROOT
+from devstack.stack import ROOT, free_port
 from projects import blob_store, storage
 from projects.blobs import blob_put, blob_read_buffer
 from projects.models import Blob
@@ -180,8 +181,19 @@ def test_the_release_step_creates_a_missing_bucket(s3: S3Server) -> None:
 def test_a_bucket_these_keys_may_not_see_is_an_error_not_a_new_bucket(s3: S3Server, bucket: str) -> None:
     option = s3.storage_option(bucket)
     option["OPTIONS"] = {**option["OPTIONS"], "secret_key": "not-the-secret"}
-    with override_settings(STORAGES={**settings.STORAGES, "blobs": option}), pytest.raises(ClientError):
+    refused = pytest.raises(CommandError, match=f"The bucket {bucket} cannot be checked or created")
+    with override_settings(STORAGES={**settings.STORAGES, "blobs": option}), refused as raised:
         _blob_bucket()
+    assert isinstance(raised.value.__cause__, ClientError)
+
+
+def test_an_unreachable_or_misnamed_bucket_is_one_clear_error(s3: S3Server) -> None:
+    unreachable = s3.storage_option("crowdtrain-blobs")
+    unreachable["OPTIONS"] = {**unreachable["OPTIONS"], "endpoint_url": f"http://127.0.0.1:{free_port()}"}
+    for option in (unreachable, s3.storage_option("Not A Bucket Name!")):
+        refused = pytest.raises(CommandError, match="cannot be checked or created")
+        with override_settings(STORAGES={**settings.STORAGES, "blobs": option}), refused:
+            _blob_bucket()
 
 
 def test_local_blobs_need_no_bucket() -> None:

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from django.core.management.base import BaseCommand
+from botocore.exceptions import BotoCoreError, ClientError
+from django.core.management.base import BaseCommand, CommandError
 
 from projects import blob_store
 
@@ -20,5 +21,8 @@ class Command(BaseCommand):
             self.stdout.write("Blobs are files under BLOB_ROOT: no bucket to create.")
             return
         bucket = blob_store.bucket_name()
-        created = blob_store.bucket_ensure()
+        try:
+            created = blob_store.bucket_ensure()
+        except (BotoCoreError, ClientError) as exc:  # a wrong name, key or endpoint: one line, no traceback
+            raise CommandError(f"The bucket {bucket} cannot be checked or created: {exc}") from exc
         self.stdout.write(f"Created the bucket {bucket}." if created else f"The bucket {bucket} exists.")
